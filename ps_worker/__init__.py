@@ -1,0 +1,7 @@
+"""paramserve's worker side: the PSClient library and (with the training runtime) ps-worker."""
+
+from ps_common.rpc import RetryPolicy
+from ps_common.status import RemoteError
+from ps_worker.client import PSClient
+
+__all__ = ["PSClient", "RemoteError", "RetryPolicy"]

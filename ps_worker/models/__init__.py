@@ -1,0 +1,18 @@
+"""Models a worker can train: built-ins (``logreg``, ``mlp``) and user models by reference."""
+
+from ps_worker.models.base import INITIALIZER_KNOBS, EvaluableModel, Model, VariableDef
+from ps_worker.models.dense import MLP, LogisticRegression
+from ps_worker.models.initializers import initial_values
+from ps_worker.models.registry import BUILTIN_MODELS, build_model
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "INITIALIZER_KNOBS",
+    "MLP",
+    "EvaluableModel",
+    "LogisticRegression",
+    "Model",
+    "VariableDef",
+    "build_model",
+    "initial_values",
+]

@@ -1,0 +1,63 @@
+"""Command-line helpers shared by every ps-* entry point: sizes, addresses, logging, and
+running a daemon until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'64MiB', '1.5GB', '4096' -> bytes (argparse type)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4096, 64MiB or 2GB")
+    unit = (match.group(2) or "").lower().rstrip("b")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_address(text: str) -> str:
+    """HOST:PORT (argparse type)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return text
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_until_signal(stop, wait) -> int:
+    """Block until SIGTERM or SIGINT (then call `stop()` for a graceful shutdown) or until
+    `wait(timeout)` reports the daemon ended by itself. Returns the exit status, 0."""
+    requested = threading.Event()
+
+    def on_signal(signum, frame):
+        requested.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not requested.is_set():
+            if wait(0.2):
+                return 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    stop()
+    return 0
+
+
+def fail(parser: argparse.ArgumentParser, message: str) -> None:
+    """Exit 2 with `message` in argparse's format (it names the flag at fault)."""
+    parser.error(message)

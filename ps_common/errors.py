@@ -1,0 +1,65 @@
+"""The error catalog: every domain failure that may reach a remote caller.
+
+Each exception names the gRPC status code it maps to (as a plain string, so that domain
+modules raising these need not import grpc) and carries a message written for the user: it
+names the variable, flag or value at fault and what was expected against what came.
+`ps_common.status` is the one place that turns these into gRPC statuses and back.
+"""
+
+from __future__ import annotations
+
+
+class PSError(Exception):
+    """Base of every error that crosses the wire. `code` is a grpc.StatusCode name."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(PSError):
+    """The request itself is wrong (dtype, shape, row range, non-finite values, bad spec)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class UnknownVariable(PSError):
+    code = "NOT_FOUND"
+
+
+class SpecConflict(PSError):
+    """A variable was declared again with a different spec."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class FencedIncarnation(PSError):
+    """A client pushed with an incarnation older than one the server has already seen."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class StaleEpoch(PSError):
+    """The request used an outdated shard map: refresh it from the coordinator and retry."""
+
+    code = "ABORTED"
+
+    def __init__(self, request_epoch: int, current_epoch: int):
+        super().__init__(
+            f"shard map epoch {request_epoch} is stale; the current epoch is {current_epoch}: "
+            "refresh the shard map from the coordinator and retry"
+        )
+        self.request_epoch = request_epoch
+        self.current_epoch = current_epoch
+
+
+class NotReady(PSError):
+    """Transient: the callee cannot serve this yet (no servers, epoch not yet delivered)."""
+
+    code = "UNAVAILABLE"
+
+
+class ResourceExhausted(PSError):
+    code = "RESOURCE_EXHAUSTED"

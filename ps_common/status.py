@@ -1,0 +1,81 @@
+"""Status <-> exception translation: the one bridge between the error catalog and gRPC.
+
+Servers wrap every handler in `translate_errors(context, method)`: a `PSError` becomes its
+status code and public message (plus a typed detail where the client must act on it, e.g.
+StaleEpoch); anything else is logged and becomes INTERNAL without leaking `str(e)`.
+Clients turn `grpc.RpcError` into `RemoteError` and dispatch on `.code()` and typed details,
+never on message text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, status_pb2
+from grpc_status import rpc_status
+
+from ps_common.errors import PSError, StaleEpoch
+from ps_proto.v1 import tensor_pb2
+
+log = logging.getLogger(__name__)
+
+
+def _status_for(error: PSError) -> grpc.Status:
+    code = grpc.StatusCode[error.code]
+    details = []
+    if isinstance(error, StaleEpoch):
+        detail = any_pb2.Any()
+        detail.Pack(tensor_pb2.StaleEpoch(
+            request_epoch=error.request_epoch, current_epoch=error.current_epoch))
+        details.append(detail)
+    return rpc_status.to_status(status_pb2.Status(
+        code=getattr(code_pb2, error.code), message=error.message, details=details))
+
+
+@contextlib.contextmanager
+def translate_errors(context: grpc.ServicerContext, method: str):
+    """Run a handler body; turn what it raises into the right status and abort the RPC."""
+    try:
+        yield
+    except PSError as error:
+        context.abort_with_status(_status_for(error))
+    except Exception:
+        # abort() itself raises a bare Exception subclass to unwind the handler: keep it.
+        if context.code() is not None:
+            raise
+        log.exception("internal error in %s", method)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
+
+
+class RemoteError(Exception):
+    """A failed RPC as the client library raises it: `.code()` is the grpc.StatusCode."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, target: str = "",
+                 stale_epoch: tensor_pb2.StaleEpoch | None = None):
+        prefix = f"{target}: " if target else ""
+        super().__init__(f"{prefix}{code.name}: {message}")
+        self._code = code
+        self._message = message
+        self.target = target
+        self.stale_epoch = stale_epoch
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._message
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError, *, target: str = "") -> "RemoteError":
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        message = (error.details() if hasattr(error, "details") else None) or str(error)
+        stale = None
+        status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
+        for detail in status.details if status is not None else ():
+            candidate = tensor_pb2.StaleEpoch()
+            if detail.Unpack(candidate):
+                stale = candidate
+        return cls(code, message, target=target, stale_epoch=stale)

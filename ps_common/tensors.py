@@ -1,0 +1,215 @@
+"""Tensor serde: the only place that builds or reads TensorMeta messages and tensor bytes.
+
+A tensor crosses the wire as (dtype, shape) in a header plus its raw little-endian bytes,
+concatenated with the other tensors of the same call and cut into chunks of at most
+`chunk_bytes`, so no tensor is ever limited by gRPC's message size or protobuf's 2 GiB field
+limit. Receivers write each chunk straight into its final buffer (one copy per byte).
+
+bfloat16 is carried as the upper 16 bits of float32 (rounded to nearest even), since numpy
+has no bfloat16 type; it decodes to float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ps_common.errors import InvalidArgument
+from ps_proto.v1 import tensor_pb2
+
+# wire name -> (enum, numpy dtype of the raw bytes, numpy dtype it decodes to)
+_WIRE = {
+    "float32": (tensor_pb2.FLOAT32, np.dtype("<f4"), np.dtype("float32")),
+    "float64": (tensor_pb2.FLOAT64, np.dtype("<f8"), np.dtype("float64")),
+    "float16": (tensor_pb2.FLOAT16, np.dtype("<f2"), np.dtype("float16")),
+    "bfloat16": (tensor_pb2.BFLOAT16, np.dtype("<u2"), np.dtype("float32")),
+}
+_BY_ENUM = {enum: name for name, (enum, _, _) in _WIRE.items()}
+WIRE_DTYPES = tuple(_WIRE)
+
+
+def wire_itemsize(wire_dtype: str) -> int:
+    return _WIRE[wire_dtype][1].itemsize
+
+
+def wire_raw_dtype(wire_dtype: str) -> np.dtype:
+    """The numpy dtype of a wire dtype's raw elements (uint16 for bfloat16)."""
+    return _WIRE[wire_dtype][1]
+
+
+def dtype_to_proto(name: str) -> int:
+    if name not in _WIRE:
+        raise InvalidArgument(f"dtype {name!r} is not one of {WIRE_DTYPES}")
+    return _WIRE[name][0]
+
+
+def dtype_from_proto(value: int, *, what: str = "dtype") -> str:
+    try:
+        return _BY_ENUM[value]
+    except KeyError:
+        raise InvalidArgument(f"{what}: unknown or unspecified dtype enum {value}") from None
+
+
+def check_narrowing(stored: str, wire: str, *, variable: str) -> None:
+    """A transport dtype may be narrower than the stored one, never wider."""
+    if wire_itemsize(wire) > np.dtype(stored).itemsize:
+        raise InvalidArgument(
+            f"variable {variable!r}: wire dtype {wire} is wider than its stored dtype {stored}"
+        )
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: str  # a wire dtype name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * wire_itemsize(self.dtype)
+
+    def to_proto(self) -> tensor_pb2.TensorMeta:
+        return tensor_pb2.TensorMeta(dtype=dtype_to_proto(self.dtype), shape=self.shape)
+
+    @classmethod
+    def from_proto(cls, msg: tensor_pb2.TensorMeta, *, what: str) -> "TensorMeta":
+        shape = tuple(int(d) for d in msg.shape)
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(f"{what}: negative dimension in shape {list(shape)}")
+        return cls(dtype_from_proto(msg.dtype, what=what), shape)
+
+
+# ---- element conversion ---------------------------------------------------------------
+
+def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest even) and return the 16-bit patterns."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype("<u2")
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def to_wire(values: np.ndarray, wire_dtype: str) -> np.ndarray:
+    """`values` as a C-contiguous array of the wire's raw element type (no copy if it is one)."""
+    if wire_dtype == "bfloat16":
+        return float32_to_bfloat16_bits(values.astype(np.float32, copy=False))
+    return np.ascontiguousarray(values, dtype=_WIRE[wire_dtype][1])
+
+
+def from_wire(raw: np.ndarray, wire_dtype: str) -> np.ndarray:
+    """Decode raw wire elements to the numpy dtype they stand for (a view when possible)."""
+    if wire_dtype == "bfloat16":
+        return bfloat16_bits_to_float32(raw)
+    return raw
+
+
+def view_bytes(buffer, meta: TensorMeta) -> np.ndarray:
+    """The tensor in `buffer` (raw bytes of `meta`), decoded, as a view when no conversion."""
+    raw = np.frombuffer(buffer, dtype=_WIRE[meta.dtype][1]).reshape(meta.shape)
+    return from_wire(raw, meta.dtype)
+
+
+# ---- chunked streams ------------------------------------------------------------------
+
+ByteReader = Callable[[int, int], bytes]
+"""read(offset, length) -> exactly `length` bytes of one tensor's wire encoding."""
+
+
+def array_reader(values: np.ndarray, wire_dtype: str, lock=None) -> ByteReader:
+    """A reader over `values` encoded as `wire_dtype`, converting only the elements asked for.
+
+    With `lock`, each read copies under it, so a chunk never shows a half-applied update.
+    """
+    flat = values.reshape(-1)
+    same = flat.dtype == _WIRE[wire_dtype][1] and flat.flags.c_contiguous
+    step = wire_itemsize(wire_dtype)
+
+    def read(offset: int, length: int) -> bytes:
+        first, last = offset // step, -(-(offset + length) // step)
+        if lock is not None:
+            lock.acquire()
+        try:
+            if same:
+                return flat[first:last].tobytes()[offset - first * step:][:length]
+            encoded = to_wire(flat[first:last], wire_dtype)
+        finally:
+            if lock is not None:
+                lock.release()
+        return encoded.tobytes()[offset - first * step:][:length]
+
+    return read
+
+
+def iter_chunks(sizes: Sequence[int], readers: Sequence[ByteReader], chunk_bytes: int) -> Iterator[bytes]:
+    """The concatenated bytes of several tensors, cut into pieces of at most chunk_bytes.
+
+    Yields at least one (possibly empty) piece so the caller always has a message to send.
+    """
+    total = sum(sizes)
+    if total == 0:
+        yield b""
+        return
+    tensor, offset_in_tensor = 0, 0
+    produced = 0
+    while produced < total:
+        want = min(chunk_bytes, total - produced)
+        parts = []
+        while want:
+            while sizes[tensor] == offset_in_tensor:
+                tensor, offset_in_tensor = tensor + 1, 0
+            take = min(want, sizes[tensor] - offset_in_tensor)
+            parts.append(readers[tensor](offset_in_tensor, take))
+            offset_in_tensor += take
+            want -= take
+            produced += take
+        yield parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class StreamAssembler:
+    """Writes an incoming chunked byte stream into per-tensor destination buffers.
+
+    `destinations` are writable byte buffers (memoryview, bytearray, numpy arrays) whose
+    lengths are the expected tensor sizes. Not thread-safe: one stream, one assembler.
+    """
+
+    def __init__(self, destinations: Sequence, *, what: str):
+        self._dest = [memoryview(d).cast("B") for d in destinations]
+        self._what = what
+        self._tensor = 0
+        self._offset = 0
+        self.received = 0
+        self.expected = sum(len(d) for d in self._dest)
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        if self.received + len(view) > self.expected:
+            raise InvalidArgument(
+                f"{self._what}: stream carries more than the {self.expected} bytes its header "
+                "announces"
+            )
+        self.received += len(view)
+        while len(view):
+            dest = self._dest[self._tensor]
+            room = len(dest) - self._offset
+            if room == 0:
+                self._tensor, self._offset = self._tensor + 1, 0
+                continue
+            take = min(room, len(view))
+            dest[self._offset:self._offset + take] = view[:take]
+            self._offset += take
+            view = view[take:]
+
+    def finish(self) -> None:
+        if self.received != self.expected:
+            raise InvalidArgument(
+                f"{self._what}: stream ended after {self.received} of {self.expected} bytes"
+            )

@@ -1,0 +1,124 @@
+"""The parameter-server daemon: store + servicer + daemon + coordinator membership."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from ps_common.rpc import DEFAULT_CHUNK_BYTES, make_channel
+from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc, parameter_server_pb2_grpc
+from ps_server.daemon import Daemon
+from ps_server.ledger import PushLedger
+from ps_server.servicer import ParameterServerServicer
+from ps_server.store import ShardStore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "ps.v1.ParameterServer"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    server_id: str | None = None  # default: the bound address
+    coordinator: str | None = None
+    memory_budget_bytes: int = 0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    allow_non_finite: bool = False
+    grace_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    max_workers: int = 16
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not in 0..65535")
+        if self.chunk_bytes < 8 or self.chunk_bytes % 8:
+            raise ValueError(f"--chunk-bytes {self.chunk_bytes} must be a positive multiple of 8")
+        if self.chunk_bytes > 3 * 1024 * 1024:
+            raise ValueError(
+                f"--chunk-bytes {self.chunk_bytes} exceeds 3 MiB: chunks must stay under gRPC's "
+                "4 MiB default message limit")
+        if self.memory_budget_bytes < 0:
+            raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be >= 0")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("--heartbeat-interval must be > 0")
+
+
+class ParameterServer:
+    """A running ps-server. Start with `start()` (or `with`); `stop()` is graceful.
+
+    Registers with the coordinator (if configured) from a background thread that retries
+    until the coordinator answers, then heartbeats; it re-registers when the coordinator
+    no longer knows it (e.g. after the coordinator restarted).
+    """
+
+    def __init__(self, config: ServerConfig, *, interceptors=()):
+        self.config = config
+        self.store = ShardStore(allow_non_finite=config.allow_non_finite)
+        self.ledger = PushLedger()
+        servicer = ParameterServerServicer(self.store, self.ledger, chunk_bytes=config.chunk_bytes)
+        self._daemon = Daemon(
+            host=config.host, port=config.port, service_names=[SERVICE_NAME],
+            add_servicers=lambda s: parameter_server_pb2_grpc.add_ParameterServerServicer_to_server(
+                servicer, s),
+            interceptors=interceptors, max_workers=config.max_workers,
+        )
+        self.address, self.port = self._daemon.address, self._daemon.port
+        self.server_id = config.server_id or self.address
+        self._stop = threading.Event()
+        self._membership: threading.Thread | None = None
+        self.registered = threading.Event()
+
+    def start(self) -> "ParameterServer":
+        self._daemon.start()
+        if self.config.coordinator:
+            self._membership = threading.Thread(
+                target=self._membership_loop, name=f"ps-server-{self.server_id}-membership",
+                daemon=True)
+            self._membership.start()
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self._stop.set()
+        self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
+        if self._membership is not None:
+            self._membership.join(timeout=5.0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._daemon.wait(timeout)
+
+    def __enter__(self) -> "ParameterServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- coordinator membership -------------------------------------------------------
+
+    def _membership_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        with make_channel(self.config.coordinator) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            registered = False
+            while not self._stop.is_set():
+                try:
+                    if not registered:
+                        stub.RegisterServer(coordinator_pb2.RegisterServerRequest(
+                            server_id=self.server_id, address=self.address,
+                            memory_budget_bytes=self.config.memory_budget_bytes,
+                        ), timeout=5.0)
+                        registered = True
+                        self.registered.set()
+                        log.info("registered with coordinator %s as %s",
+                                 self.config.coordinator, self.server_id)
+                    reply = stub.ServerHeartbeat(coordinator_pb2.ServerHeartbeatRequest(
+                        server_id=self.server_id, epoch=self.store.epoch), timeout=5.0)
+                    registered = reply.known
+                except grpc.RpcError as error:
+                    log.warning("coordinator %s: %s", self.config.coordinator, error.code().name)
+                    registered = False
+                self._stop.wait(interval if registered else min(interval, 0.5))

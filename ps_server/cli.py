@@ -1,0 +1,68 @@
+"""`ps-server`: the parameter-server daemon."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ps_common.cli import fail, parse_address, parse_bytes, run_until_signal, setup_logging
+from ps_common.rpc import DEFAULT_CHUNK_BYTES
+from ps_server.app import ParameterServer, ServerConfig
+
+log = logging.getLogger("ps-server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ps-server", description="Hold shards of variables in CPU memory and apply the "
+        "optimizer to pushed gradients.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 = any free port")
+    p.add_argument("--server-id", help="stable id of this server (default: its address); a "
+                   "restarted server must keep its id")
+    p.add_argument("--coordinator", type=parse_address, help="coordinator HOST:PORT to register with")
+    p.add_argument("--memory-budget", type=parse_bytes, default=0,
+                   help="bytes of values + optimizer slots this server may hold (0 = no limit)")
+    p.add_argument("--chunk-bytes", type=parse_bytes, default=DEFAULT_CHUNK_BYTES,
+                   help="size of streamed tensor chunks (default 2MiB)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="accept NaN/Inf in gradients instead of refusing the push")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+                   help="how long RPCs in flight may finish after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConfig:
+    try:
+        return ServerConfig(
+            host=args.host, port=args.port, server_id=args.server_id,
+            coordinator=args.coordinator, memory_budget_bytes=args.memory_budget,
+            chunk_bytes=args.chunk_bytes, allow_non_finite=args.allow_non_finite,
+            grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval)
+    except ValueError as error:
+        fail(parser, str(error))
+        raise
+
+
+def server_main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    config = config_from_args(parser, args)
+    try:
+        server = ParameterServer(config).start()
+    except OSError as error:
+        print(f"ps-server: --host/--port: {error}", file=sys.stderr)
+        return 1
+    print(f"ps-server {server.server_id} listening on {server.address}", flush=True)
+    code = run_until_signal(server.stop, server.wait)
+    log.info("stopped")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(server_main())

@@ -1,0 +1,73 @@
+"""The coordinator daemon: state + assigner + servicer + daemon."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ps_common.clock import Clock, SystemClock
+from ps_proto.v1 import coordinator_pb2_grpc
+from ps_server.coordinator.assigner import Assigner
+from ps_server.coordinator.servicer import CoordinatorServicer
+from ps_server.coordinator.state import CoordinatorState
+from ps_server.daemon import Daemon
+
+SERVICE_NAME = "ps.v1.Coordinator"
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 10.0
+    split_threshold_bytes: int = 64 * 1024 * 1024
+    grace_s: float = 5.0
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not in 0..65535")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"--heartbeat-interval {self.heartbeat_interval_s} must be > 0")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"--heartbeat-timeout {self.heartbeat_timeout_s} must exceed "
+                f"--heartbeat-interval {self.heartbeat_interval_s}")
+        if self.split_threshold_bytes < 1:
+            raise ValueError(f"--split-threshold {self.split_threshold_bytes} must be >= 1")
+
+
+class Coordinator:
+    """A running ps-coordinator. Start with `start()` (or `with`); `stop()` is graceful."""
+
+    def __init__(self, config: CoordinatorConfig, *, clock: Clock | None = None, interceptors=()):
+        self.config = config
+        self.state = CoordinatorState(
+            clock or SystemClock(), heartbeat_timeout_s=config.heartbeat_timeout_s,
+            split_threshold_bytes=config.split_threshold_bytes)
+        self._assigner = Assigner(self.state)
+        servicer = CoordinatorServicer(
+            self.state, self._assigner, heartbeat_interval_s=config.heartbeat_interval_s)
+        self._daemon = Daemon(
+            host=config.host, port=config.port, service_names=[SERVICE_NAME],
+            add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+                servicer, s),
+            interceptors=interceptors,
+        )
+        self.address, self.port = self._daemon.address, self._daemon.port
+
+    def start(self) -> "Coordinator":
+        self._daemon.start()
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
+        self._assigner.close()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._daemon.wait(timeout)
+
+    def __enter__(self) -> "Coordinator":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,56 @@
+"""`ps-coordinator`: membership, variable placement (and, with a job, task scheduling)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ps_common.cli import fail, parse_bytes, run_until_signal, setup_logging
+from ps_server.coordinator.app import Coordinator, CoordinatorConfig
+
+log = logging.getLogger("ps-coordinator")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ps-coordinator", description="Coordinate a paramserve cluster: servers register "
+        "here, variables are declared and placed here.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 = any free port")
+    p.add_argument("--split-threshold", type=parse_bytes, default=64 * 1024 * 1024,
+                   help="variables larger than this are split by rows over several servers "
+                   "(default 64MiB)")
+    p.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="SECONDS")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="SECONDS")
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = CoordinatorConfig(
+            host=args.host, port=args.port, heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            split_threshold_bytes=args.split_threshold, grace_s=args.grace)
+    except ValueError as error:
+        fail(parser, str(error))
+        raise
+    try:
+        coordinator = Coordinator(config).start()
+    except OSError as error:
+        print(f"ps-coordinator: --host/--port: {error}", file=sys.stderr)
+        return 1
+    print(f"ps-coordinator listening on {coordinator.address}", flush=True)
+    code = run_until_signal(coordinator.stop, coordinator.wait)
+    log.info("stopped")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

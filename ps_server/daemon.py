@@ -1,0 +1,52 @@
+"""What every paramserve daemon has: a gRPC server with health and reflection, a bound
+address, and graceful shutdown (NOT_SERVING, then stop with a grace period)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ps_common.rpc import bind, make_server
+
+log = logging.getLogger(__name__)
+
+
+class Daemon:
+    """A started gRPC server serving `services` plus health and reflection.
+
+    `add_servicers(server)` registers the daemon's own servicers. Thread-safe `stop`.
+    """
+
+    def __init__(self, *, host: str, port: int, service_names: list[str], add_servicers,
+                 interceptors=(), max_workers: int = 16):
+        self.server = make_server(max_workers=max_workers, interceptors=interceptors)
+        add_servicers(self.server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        reflection.enable_server_reflection(
+            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self._service_names = service_names
+        self.address, self.port = bind(self.server, host, port)
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        self.server.start()
+        for name in ["", *self._service_names]:
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace_s: float) -> None:
+        """Stop taking new RPCs, let those in flight finish within `grace_s`, then return."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait(grace_s + 1.0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server terminates or `timeout` passes; True if it terminated."""
+        timed_out = self.server.wait_for_termination(timeout)
+        return not timed_out

@@ -1,0 +1,87 @@
+"""Exactly-once pushes: which (client, incarnation, sequence) a server has applied.
+
+State per client is bounded: a client reports `acked_through` (every sequence at or below it
+has finished on the client and will never be resent), and the ledger forgets those. At most
+`max_pending` sequences above that floor are kept; past it the oldest are folded into the
+floor (such a push would be refused as a duplicate if resent, never applied twice). The
+number of clients is bounded LRU-style by `max_clients`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ps_common.errors import FencedIncarnation
+
+
+@dataclass
+class _ClientRecord:
+    incarnation: int
+    floor: int = 0  # every sequence <= floor counts as applied
+    applied: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class PushLedger:
+    """Thread-safe. Pushes of one client are applied one at a time; clients run in parallel."""
+
+    def __init__(self, max_clients: int = 4096, max_pending: int = 4096):
+        self._max_clients = max_clients
+        self._max_pending = max_pending
+        self._clients: OrderedDict[str, _ClientRecord] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _record(self, client_id: str, incarnation: int) -> _ClientRecord:
+        with self._lock:
+            record = self._clients.get(client_id)
+            if record is None:
+                record = self._clients[client_id] = _ClientRecord(incarnation)
+                while len(self._clients) > self._max_clients:
+                    self._clients.popitem(last=False)
+            self._clients.move_to_end(client_id)
+            return record
+
+    @contextlib.contextmanager
+    def exactly_once(self, client_id: str, incarnation: int, sequence: int, acked_through: int):
+        """Yields True if this push was already applied (skip it), else False (apply it).
+
+        The push counts as applied only if the with-block exits without an exception.
+        Raises FencedIncarnation for an incarnation older than one already seen.
+        """
+        record = self._record(client_id, incarnation)
+        with record.lock:
+            if incarnation < record.incarnation:
+                raise FencedIncarnation(
+                    f"client {client_id!r} pushed with incarnation {incarnation}, but "
+                    f"incarnation {record.incarnation} has already been seen: this client "
+                    "was replaced; register again"
+                )
+            if incarnation > record.incarnation:
+                record.incarnation, record.floor = incarnation, 0
+                record.applied.clear()
+            duplicate = sequence <= record.floor or sequence in record.applied
+            yield duplicate
+            if not duplicate:
+                record.applied.add(sequence)
+            self._compact(record, acked_through)
+
+    def _compact(self, record: _ClientRecord, acked_through: int) -> None:
+        if acked_through > record.floor:
+            record.floor = acked_through
+            record.applied = {s for s in record.applied if s > acked_through}
+        while record.floor + 1 in record.applied:
+            record.floor += 1
+            record.applied.discard(record.floor)
+        while len(record.applied) > self._max_pending:
+            oldest = min(record.applied)
+            record.applied.discard(oldest)
+            record.floor = oldest
+
+    def pending(self, client_id: str) -> int:
+        """How many sequences above the floor are remembered for `client_id` (for tests)."""
+        with self._lock:
+            record = self._clients.get(client_id)
+        return len(record.applied) if record else 0

@@ -1,0 +1,198 @@
+"""The shards a parameter server holds, and the validated pull/push operations on them.
+
+No grpc here: the servicer decodes requests into plain values, calls these methods and
+encodes what they return. Everything in a request is checked before anything is applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ps_common.errors import InvalidArgument, NotReady, StaleEpoch, UnknownVariable
+from ps_common.shardmap import Shard, VariableSpec
+from ps_common.tensors import TensorMeta, check_narrowing
+from ps_server.initializers import initialize_rows, validate_initializer
+from ps_server.optimizers import ShardOptimizerState, apply_update, make_state, resolve_knobs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HeldShard:
+    """One shard's values and optimizer state. `lock` guards both."""
+
+    spec: VariableSpec
+    shard: Shard
+    values: np.ndarray
+    state: ShardOptimizerState
+    knobs: dict[str, float]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.shard.key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    def describe(self) -> str:
+        s = self.shard
+        return f"variable {s.variable!r} shard {s.index} (rows {s.row_start}:{s.row_stop})"
+
+
+class ShardStore:
+    """Thread-safe. Holds shards keyed by (variable, shard index) and the shard-map epoch."""
+
+    def __init__(self, *, allow_non_finite: bool = False):
+        self.allow_non_finite = allow_non_finite
+        self._shards: dict[tuple[str, int], HeldShard] = {}
+        self._epoch = 0
+        self._lock = threading.Lock()
+
+    # ---- placement ---------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        with self._lock:
+            return self._epoch
+
+    def assign(self, epoch: int, specs: dict[str, VariableSpec], shards: list[Shard]) -> int:
+        """Hold exactly `shards` from `epoch` on: create missing ones, drop unlisted ones.
+
+        Idempotent. An assignment older than the current epoch is ignored. Returns the number
+        of shards created.
+        """
+        with self._lock:
+            if epoch < self._epoch:
+                return 0
+            current = dict(self._shards)
+        for shard in shards:
+            spec = specs.get(shard.variable)
+            if spec is None:
+                raise InvalidArgument(f"assignment names shard of undeclared {shard.variable!r}")
+            validate_initializer(spec)
+            resolve_knobs(spec)
+            if not 0 <= shard.row_start < shard.row_stop <= spec.rows:
+                raise InvalidArgument(
+                    f"shard {shard.index} of {spec.name!r}: rows {shard.row_start}:"
+                    f"{shard.row_stop} outside 0:{spec.rows}"
+                )
+        wanted = {s.key: s for s in shards}
+        created = {}
+        for key, shard in wanted.items():
+            held = current.get(key)
+            if held is not None and held.spec == specs[shard.variable] and held.shard == shard:
+                continue
+            spec = specs[shard.variable]
+            values = initialize_rows(spec, shard.row_start, shard.row_stop)
+            created[key] = HeldShard(
+                spec, shard, values, make_state(spec, values.shape), resolve_knobs(spec))
+        with self._lock:
+            if epoch < self._epoch:
+                return 0
+            self._shards = {
+                key: created.get(key) or self._shards.get(key) or current[key] for key in wanted
+            }
+            self._epoch = epoch
+        if created:
+            log.info("epoch %d: created %d shard(s), holding %d", epoch, len(created), len(wanted))
+        return len(created)
+
+    def check_epoch(self, request_epoch: int) -> None:
+        current = self.epoch
+        if request_epoch < current:
+            raise StaleEpoch(request_epoch, current)
+        if request_epoch > current:
+            raise NotReady(
+                f"this server holds shard map epoch {current}, the request names epoch "
+                f"{request_epoch}: its assignment has not arrived yet; retry"
+            )
+
+    def held(self) -> list[HeldShard]:
+        with self._lock:
+            return list(self._shards.values())
+
+    def nbytes(self) -> int:
+        """Bytes of values plus optimizer slots held."""
+        return sum(
+            h.values.nbytes + sum(s.nbytes for s in h.state.slots.values()) for h in self.held()
+        )
+
+    def lookup(self, refs: list[tuple[str, int]]) -> list[HeldShard]:
+        if not refs:
+            raise InvalidArgument("request names no shards")
+        if len(set(refs)) != len(refs):
+            raise InvalidArgument("request names the same shard more than once")
+        with self._lock:
+            found = [self._shards.get(ref) for ref in refs]
+            known = {name for name, _ in self._shards}
+        for ref, held in zip(refs, found):
+            if held is None:
+                name, index = ref
+                if name in known:
+                    raise InvalidArgument(f"variable {name!r} has no shard {index} on this server")
+                raise UnknownVariable(f"variable {name!r} is not held by this server")
+        return found  # type: ignore[return-value]
+
+    # ---- data path ---------------------------------------------------------------------
+
+    def plan_pull(self, epoch: int, refs: list[tuple[str, int]],
+                  wire_dtype: str | None) -> list[tuple[HeldShard, TensorMeta]]:
+        """Validate a pull; returns each shard with the metadata of its wire encoding."""
+        self.check_epoch(epoch)
+        plan = []
+        for held in self.lookup(refs):
+            wire = wire_dtype or held.spec.dtype
+            check_narrowing(held.spec.dtype, wire, variable=held.spec.name)
+            plan.append((held, TensorMeta(wire, held.shape)))
+        return plan
+
+    def plan_push(self, epoch: int, refs: list[tuple[str, int]],
+                  metas: list[TensorMeta]) -> list[HeldShard]:
+        """Validate a push's header before any of its bytes are accepted."""
+        self.check_epoch(epoch)
+        if len(refs) != len(metas):
+            raise InvalidArgument(
+                f"push header names {len(refs)} shard(s) but describes {len(metas)} tensor(s)"
+            )
+        targets = self.lookup(refs)
+        for held, meta in zip(targets, metas):
+            if meta.dtype not in ("float32", "float64", "float16", "bfloat16"):
+                raise InvalidArgument(f"{held.describe()}: gradient dtype {meta.dtype}")
+            check_narrowing(held.spec.dtype, meta.dtype, variable=held.spec.name)
+            if meta.shape != held.shape:
+                raise InvalidArgument(
+                    f"{held.describe()}: gradient shape {list(meta.shape)} does not match the "
+                    f"shard's shape {list(held.shape)}"
+                )
+        return targets
+
+    def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray]) -> None:
+        if self.allow_non_finite:
+            return
+        for held, grad in zip(targets, grads):
+            # A finite sum proves every element finite without a full-size boolean temporary;
+            # only a non-finite sum (or an overflow) needs the element-wise check.
+            if not np.isfinite(grad.sum(dtype=np.float64)) and not np.isfinite(grad).all():
+                bad = int(np.size(grad) - np.count_nonzero(np.isfinite(grad)))
+                raise InvalidArgument(
+                    f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "
+                    "nothing was applied (start the server with --allow-non-finite to accept them)"
+                )
+
+    def apply(self, targets: list[HeldShard], grads: list[np.ndarray]) -> None:
+        """Apply validated gradients, all shards or none: locks are taken in key order."""
+        ordered = sorted(zip(targets, grads), key=lambda pair: pair[0].key)
+        for held, _ in ordered:
+            held.lock.acquire()
+        try:
+            for held, grad in ordered:
+                apply_update(held.spec, held.knobs, held.values, held.state, grad)
+        finally:
+            for held, _ in ordered:
+                held.lock.release()

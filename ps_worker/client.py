@@ -1,0 +1,438 @@
+"""PSClient: the library API a training loop calls: declare, pull, push.
+
+The client routes every name to the servers that own its shards (one RPC per server per
+call, in parallel), reassembles split variables, refreshes its shard map when a server says
+it is stale, and retries UNAVAILABLE with jittered backoff. Pushes are exactly-once: each
+carries (client id, incarnation, sequence) and servers apply each at most once, so a retry
+after a lost response never double-applies.
+
+A push that spans several servers is validated whole here first (names, shapes, dtypes,
+finiteness) and then again by each server, which applies its part all-or-nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import grpc
+import numpy as np
+
+from ps_common.errors import InvalidArgument
+from ps_common.rpc import (
+    DEFAULT_CHUNK_BYTES, READ_RETRY_CODES, RetryPolicy, call_with_retry, make_channel,
+)
+from ps_common.shardmap import Component, Shard, ShardMap, VariableSpec
+from ps_common.status import RemoteError
+from ps_common.tensors import (
+    StreamAssembler, TensorMeta, array_reader, check_narrowing, dtype_to_proto, from_wire,
+    iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
+)
+from ps_common.wire import shardmap_from_proto, spec_to_proto
+from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ps_proto.v1 import parameter_server_pb2 as ps_pb
+from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
+
+log = logging.getLogger(__name__)
+
+# How many times one pull or push follows a "your shard map is stale" answer before giving up.
+MAX_MAP_REFRESHES = 5
+
+
+def _local_error(code: grpc.StatusCode, message: str) -> RemoteError:
+    return RemoteError(code, message, target="client")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One shard's part of a push: the gradient rows headed for that shard."""
+
+    shard: Shard
+    grad: np.ndarray  # C-contiguous, in the wire dtype's raw element type
+    wire_dtype: str
+
+
+class PSClient:
+    """Talks to a paramserve cluster through its coordinator. Thread-safe.
+
+    Args:
+        coordinator: the coordinator's HOST:PORT.
+        client_id / incarnation: the exactly-once identity of this client's pushes. A
+            worker runtime passes the ids the coordinator gave it; a replacement of the same
+            client_id must use a higher incarnation (servers fence the older one).
+        chunk_bytes: size of the chunks tensors are streamed in.
+        timeout_s: deadline of each RPC, plus `timeout_per_gib_s` per GiB it carries.
+        retry: backoff policy for UNAVAILABLE (and DEADLINE_EXCEEDED on pulls).
+        max_in_flight_pushes: window of `push_async`; a further call blocks until one ends.
+        allow_non_finite: do not refuse NaN/Inf gradients client-side (servers started with
+            --allow-non-finite accept them).
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        *,
+        client_id: str | None = None,
+        incarnation: int = 1,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float = 60.0,
+        timeout_per_gib_s: float = 60.0,
+        retry: RetryPolicy | None = None,
+        max_in_flight_pushes: int = 4,
+        allow_non_finite: bool = False,
+    ):
+        if chunk_bytes < 8 or chunk_bytes % 8:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of 8")
+        if max_in_flight_pushes < 1:
+            raise ValueError("max_in_flight_pushes must be >= 1")
+        self.coordinator = coordinator
+        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.incarnation = incarnation
+        self._chunk_bytes = chunk_bytes
+        self._timeout_s = timeout_s
+        self._timeout_per_gib_s = timeout_per_gib_s
+        self._retry = retry or RetryPolicy()
+        self._read_retry = RetryPolicy(**{**self._retry.__dict__, "retry_codes": READ_RETRY_CODES})
+        self._allow_non_finite = allow_non_finite
+
+        self._lock = threading.Lock()
+        self._coordinator_channel = make_channel(coordinator)
+        self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channel)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._map: ShardMap | None = None
+        # Exactly-once bookkeeping, per server: last sequence issued, and those finished.
+        self._next_seq: dict[str, int] = {}
+        self._finished: dict[str, set[int]] = {}
+        self._acked_through: dict[str, int] = {}
+
+        self._rpc_pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ps-client-rpc")
+        self._async_pool = futures.ThreadPoolExecutor(
+            max_workers=max_in_flight_pushes, thread_name_prefix="ps-client-push")
+        self._window = threading.BoundedSemaphore(max_in_flight_pushes)
+        self._pending: set[futures.Future] = set()
+        self._closed = False
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for pushes in flight, then release threads and channels. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._async_pool.shutdown(wait=True)
+        self._rpc_pool.shutdown(wait=True)
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+        self._coordinator_channel.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- shard map ---------------------------------------------------------------------
+
+    @property
+    def shard_map(self) -> ShardMap:
+        with self._lock:
+            current = self._map
+        return current if current is not None else self.refresh()
+
+    def refresh(self) -> ShardMap:
+        """Fetch the current shard map from the coordinator."""
+        reply = call_with_retry(
+            lambda: self._coordinator.GetShardMap(
+                coordinator_pb2.GetShardMapRequest(), timeout=self._timeout_s),
+            target=self.coordinator, policy=self._read_retry)
+        return self._adopt(shardmap_from_proto(reply))
+
+    def _adopt(self, new: ShardMap) -> ShardMap:
+        with self._lock:
+            if self._map is None or new.epoch >= self._map.epoch:
+                self._map = new
+            return self._map
+
+    def _map_with(self, names: Iterable[str]) -> ShardMap:
+        """The shard map, refreshed once if it does not know every name yet."""
+        current = self.shard_map
+        if any(n not in current.variables for n in names):
+            current = self.refresh()
+        for name in names:
+            if name not in current.variables:
+                raise _local_error(grpc.StatusCode.NOT_FOUND,
+                                   f"variable {name!r} has not been declared")
+        return current
+
+    # ---- declare -----------------------------------------------------------------------
+
+    def declare(self, name: str, shape, dtype: str = "float32", init="zeros",
+                optimizer="sgd", seed: int = 0) -> VariableSpec:
+        """Declare a variable (a no-op if declared before with the same spec).
+
+        `init`: "zeros" | "constant" | "uniform" | "normal" | "glorot_uniform", or a dict
+        with "name" and knobs (value; minval, maxval; mean, stddev). `optimizer`: "sgd" |
+        "momentum" | "adagrad" | "adam", or a dict with "name" and knobs (lr, momentum,
+        nesterov, beta1, beta2, eps, initial_accumulator, weight_decay).
+        Raises RemoteError: FAILED_PRECONDITION if `name` exists with another spec,
+        INVALID_ARGUMENT for a bad spec, RESOURCE_EXHAUSTED if no server has room.
+        """
+        spec = self._spec(name, shape, dtype, init, optimizer, seed)
+        self.declare_many([spec])
+        return spec
+
+    def declare_many(self, specs: list[VariableSpec]) -> ShardMap:
+        """Declare several variables in one request (placed together, one epoch change)."""
+        request = coordinator_pb2.DeclareRequest(variables=[spec_to_proto(s) for s in specs])
+        reply = call_with_retry(
+            lambda: self._coordinator.Declare(request, timeout=self._timeout_s * 5),
+            target=self.coordinator, policy=self._retry)
+        return self._adopt(shardmap_from_proto(reply))
+
+    @staticmethod
+    def _spec(name, shape, dtype, init, optimizer, seed) -> VariableSpec:
+        try:
+            return VariableSpec(
+                name=name, shape=tuple(int(d) for d in np.atleast_1d(shape)), dtype=str(dtype),
+                initializer=Component.of(init), optimizer=Component.of(optimizer), seed=int(seed))
+        except InvalidArgument as error:
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+
+    # ---- pull --------------------------------------------------------------------------
+
+    def pull(self, names: str | list[str], *, wire_dtype: str | None = None):
+        """Current values: one array for a name, a dict for a list of names.
+
+        `wire_dtype` ("float16", "bfloat16", ...) narrows the transfer; values come back in
+        the variable's own dtype. Raises RemoteError.
+        """
+        single = isinstance(names, str)
+        wanted = [names] if single else list(dict.fromkeys(names))
+        for _ in range(MAX_MAP_REFRESHES):
+            shard_map = self._map_with(wanted)
+            outputs = {n: np.empty(shard_map.spec(n).shape, shard_map.spec(n).dtype) for n in wanted}
+            try:
+                self._run_per_server(shard_map, wanted, lambda sid, shards: self._pull_from(
+                    shard_map, sid, shards, outputs, wire_dtype))
+            except RemoteError as error:
+                if error.stale_epoch is None:
+                    raise
+                self.refresh()
+                continue
+            return outputs[names] if single else outputs
+        raise _local_error(grpc.StatusCode.ABORTED,
+                           f"shard map kept changing during {MAX_MAP_REFRESHES} pull attempts")
+
+    def _pull_from(self, shard_map: ShardMap, server_id: str, shards: list[Shard],
+                   outputs: dict[str, np.ndarray], wire_dtype: str | None) -> None:
+        destinations, conversions = [], []
+        for shard in shards:
+            spec = shard_map.variables[shard.variable]
+            rows = outputs[shard.variable][shard.row_start:shard.row_stop]
+            wire = wire_dtype or spec.dtype
+            if wire != spec.dtype:
+                check_narrowing(spec.dtype, wire, variable=spec.name)
+                raw = np.empty(rows.shape, wire_raw_dtype(wire))
+                destinations.append(raw)
+                conversions.append((rows, raw, wire))
+            else:
+                destinations.append(rows)
+        request = ps_pb.PullRequest(
+            epoch=shard_map.epoch,
+            shards=[ps_pb.ShardRef(variable=s.variable, index=s.index) for s in shards],
+            wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0,
+        )
+        nbytes = sum(d.nbytes for d in destinations)
+        stub = ps_grpc.ParameterServerStub(self._channel(shard_map.servers[server_id]))
+
+        def attempt():
+            assembler = StreamAssembler(destinations, what=f"pull from {server_id}")
+            for chunk in stub.Pull(request, timeout=self._deadline(nbytes)):
+                assembler.write(chunk.data)
+            assembler.finish()
+
+        call_with_retry(attempt, target=server_id, policy=self._read_retry)
+        for rows, raw, wire in conversions:
+            rows[...] = from_wire(raw, wire)
+
+    # ---- push --------------------------------------------------------------------------
+
+    def push(self, grads: Mapping[str, np.ndarray], *, wire_dtype: str | None = None) -> None:
+        """Send gradients; returns once every server has applied its part (exactly once).
+
+        Raises RemoteError: NOT_FOUND (unknown variable), INVALID_ARGUMENT (dtype, shape,
+        non-finite values), or the server's status after retries are exhausted.
+        """
+        shard_map = self._map_with(list(grads))
+        pieces = self._split(shard_map, grads, wire_dtype)
+        for _ in range(MAX_MAP_REFRESHES):
+            by_server: dict[str, list[_Piece]] = {}
+            for piece in pieces:
+                by_server.setdefault(piece.shard.server_id, []).append(piece)
+            failed_stale: list[_Piece] = []
+
+            def push_one(server_id: str, group: list[_Piece], shard_map=shard_map):
+                try:
+                    self._push_to(shard_map, server_id, group)
+                except RemoteError as error:
+                    if error.stale_epoch is None:
+                        raise
+                    failed_stale.extend(group)
+
+            self._run_groups(by_server, push_one)
+            if not failed_stale:
+                return
+            shard_map = self.refresh()
+            pieces = [self._relocate(shard_map, p) for p in failed_stale]
+        raise _local_error(grpc.StatusCode.ABORTED,
+                           f"shard map kept changing during {MAX_MAP_REFRESHES} push attempts")
+
+    def push_async(self, grads: Mapping[str, np.ndarray], *,
+                   wire_dtype: str | None = None) -> futures.Future:
+        """`push` in the background; returns a Future. Blocks while `max_in_flight_pushes`
+        pushes are already in flight. The caller must not modify `grads` until it is done."""
+        self._window.acquire()
+        try:
+            future = self._async_pool.submit(self.push, grads, wire_dtype=wire_dtype)
+        except BaseException:
+            self._window.release()
+            raise
+        with self._lock:
+            self._pending.add(future)
+
+        def done(f):
+            self._window.release()
+            with self._lock:
+                self._pending.discard(f)
+
+        future.add_done_callback(done)
+        return future
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for every push_async issued so far; raise the first error among them."""
+        with self._lock:
+            pending = list(self._pending)
+        done, not_done = futures.wait(pending, timeout=timeout)
+        if not_done:
+            raise TimeoutError(f"{len(not_done)} push(es) still in flight after {timeout} s")
+        for future in done:
+            future.result()
+
+    def _split(self, shard_map: ShardMap, grads: Mapping[str, np.ndarray],
+               wire_dtype: str | None) -> list[_Piece]:
+        pieces = []
+        for name, grad in grads.items():
+            spec = shard_map.spec(name)
+            grad = np.asarray(grad)
+            wire = wire_dtype or (grad.dtype.name if grad.dtype.kind == "f" else None)
+            if wire not in ("float32", "float64", "float16", "bfloat16"):
+                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"variable {name!r}: gradient dtype {grad.dtype} is not a float "
+                                   f"dtype; expected {spec.dtype}")
+            if tuple(grad.shape) != spec.shape:
+                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"variable {name!r}: gradient shape {list(grad.shape)} does not "
+                                   f"match the variable's shape {list(spec.shape)}")
+            if wire_itemsize(wire) > np.dtype(spec.dtype).itemsize:
+                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"variable {name!r}: gradient dtype {wire} is wider than the "
+                                   f"variable's dtype {spec.dtype}")
+            if not self._allow_non_finite and not np.isfinite(grad.sum(dtype=np.float64)) \
+                    and not np.isfinite(grad).all():
+                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"variable {name!r}: gradient has non-finite values (NaN or Inf)")
+            encoded = to_wire(grad, wire)
+            for shard in shard_map.shards_of(name):
+                pieces.append(_Piece(shard, encoded[shard.row_start:shard.row_stop], wire))
+        return pieces
+
+    @staticmethod
+    def _relocate(shard_map: ShardMap, piece: _Piece) -> _Piece:
+        for shard in shard_map.shards_of(piece.shard.variable):
+            if (shard.index, shard.row_start, shard.row_stop) == (
+                    piece.shard.index, piece.shard.row_start, piece.shard.row_stop):
+                return _Piece(shard, piece.grad, piece.wire_dtype)
+        raise _local_error(grpc.StatusCode.ABORTED,
+                           f"variable {piece.shard.variable!r} was re-sharded during a push")
+
+    def _push_to(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece]) -> None:
+        sequence = self._issue_sequence(server_id)
+        try:
+            stub = ps_grpc.ParameterServerStub(self._channel(shard_map.servers[server_id]))
+            sizes = [p.grad.nbytes for p in pieces]
+            readers = [array_reader(p.grad, p.wire_dtype) for p in pieces]
+
+            def attempt():
+                header = ps_pb.PushHeader(
+                    client_id=self.client_id, incarnation=self.incarnation, sequence=sequence,
+                    acked_through=self._acked(server_id), epoch=shard_map.epoch,
+                    shards=[ps_pb.ShardRef(variable=p.shard.variable, index=p.shard.index)
+                            for p in pieces],
+                    tensors=[TensorMeta(p.wire_dtype, p.grad.shape).to_proto() for p in pieces],
+                )
+
+                def chunks():
+                    for i, piece in enumerate(iter_chunks(sizes, readers, self._chunk_bytes)):
+                        yield (ps_pb.PushChunk(header=header, data=piece) if i == 0
+                               else ps_pb.PushChunk(data=piece))
+
+                return stub.Push(chunks(), timeout=self._deadline(sum(sizes)))
+
+            # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
+            call_with_retry(attempt, target=server_id, policy=self._retry)
+        finally:
+            self._finish_sequence(server_id, sequence)
+
+    def _issue_sequence(self, server_id: str) -> int:
+        with self._lock:
+            self._next_seq[server_id] = self._next_seq.get(server_id, 0) + 1
+            return self._next_seq[server_id]
+
+    def _finish_sequence(self, server_id: str, sequence: int) -> None:
+        with self._lock:
+            finished = self._finished.setdefault(server_id, set())
+            finished.add(sequence)
+            acked = self._acked_through.get(server_id, 0)
+            while acked + 1 in finished:
+                acked += 1
+                finished.discard(acked)
+            self._acked_through[server_id] = acked
+
+    def _acked(self, server_id: str) -> int:
+        with self._lock:
+            return self._acked_through.get(server_id, 0)
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = make_channel(address)
+            return channel
+
+    def _deadline(self, nbytes: int) -> float:
+        return self._timeout_s + self._timeout_per_gib_s * nbytes / 2**30
+
+    def _run_per_server(self, shard_map: ShardMap, names: list[str], fn) -> None:
+        self._run_groups(shard_map.group_by_server(names), fn)
+
+    def _run_groups(self, groups: dict, fn) -> None:
+        """fn(server_id, group) for every group, in parallel; re-raise the first error."""
+        if len(groups) == 1:
+            (server_id, group), = groups.items()
+            fn(server_id, group)
+            return
+        pending = [self._rpc_pool.submit(fn, sid, group) for sid, group in groups.items()]
+        futures.wait(pending)
+        for future in pending:
+            future.result()

@@ -1,0 +1,254 @@
+"""Data sets and how an epoch is cut into tasks; pure NumPy, no I/O beyond loading.
+
+Every worker that loads the same spec gets the same arrays, so a task is fully described
+by (epoch, task index, tasks per epoch, seed) and ``task_indices`` turns it into rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+__all__ = [
+    "DIGITS",
+    "SYNTHETIC",
+    "TEST_FRACTION",
+    "Dataset",
+    "iter_batches",
+    "load_dataset",
+    "task_indices",
+]
+
+DIGITS = "digits"
+SYNTHETIC = "synthetic"
+TEST_FRACTION = 0.2
+# The held-out split does not depend on the run's seed, so that test accuracy is
+# comparable across runs.
+_SPLIT_SEED = 20240601
+_SYNTHETIC_DEFAULT_EXAMPLES = 4096
+_SYNTHETIC_FEATURES = 20
+_SYNTHETIC_CLASSES = 4
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """Training and held-out examples. Arrays are read-only, so a Dataset is safe to share
+    between threads. ``x_*`` are float32 (N, F); ``y_*`` are int64 (N,) in [0, num_classes)."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_features: int
+    num_classes: int
+
+    @property
+    def num_train(self) -> int:
+        return int(self.x_train.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        return int(self.x_test.shape[0])
+
+
+def load_dataset(spec: str, seed: int = 0) -> Dataset:
+    """``"digits"``, ``"synthetic"``, ``"synthetic:N"`` or the path of a ``.npz`` file.
+
+    ``seed`` only changes generated data (``synthetic``); held-out splits are fixed.
+    Raises ``ValueError`` naming the spec or path when it cannot be loaded.
+    """
+    if spec == DIGITS:
+        return _load_digits()
+    if spec == SYNTHETIC or spec.startswith(SYNTHETIC + ":"):
+        return _make_synthetic(spec, seed)
+    if spec.endswith(".npz") or "/" in spec or Path(spec).exists():
+        return _load_npz(Path(spec))
+    raise ValueError(f"data set {spec!r} is not 'digits', 'synthetic[:N]' nor a path to an .npz file")
+
+
+def task_indices(
+    num_examples: int, *, epoch: int, task_index: int, tasks_per_epoch: int, seed: int
+) -> np.ndarray:
+    """The rows of task ``task_index``: part ``task_index`` of ``tasks_per_epoch`` near-equal
+    contiguous parts of a permutation of ``range(num_examples)`` seeded by (seed, epoch).
+
+    The tasks of one epoch partition the rows exactly; sizes differ by at most one. The
+    result is a read-only int64 array. Pure and thread-safe.
+    """
+    for what, value in (("num_examples", num_examples), ("epoch", epoch), ("seed", seed)):
+        if value < 0:
+            raise ValueError(f"{what} must be >= 0, got {value}")
+    if tasks_per_epoch < 1:
+        raise ValueError(f"tasks_per_epoch must be >= 1, got {tasks_per_epoch}")
+    if not 0 <= task_index < tasks_per_epoch:
+        raise ValueError(f"task_index {task_index} is outside 0..{tasks_per_epoch - 1}")
+    permutation = _epoch_permutation(num_examples, epoch, seed)
+    start = task_index * num_examples // tasks_per_epoch
+    stop = (task_index + 1) * num_examples // tasks_per_epoch
+    return permutation[start:stop]
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(num_examples: int, epoch: int, seed: int) -> np.ndarray:
+    # Cached because every task of an epoch needs the same permutation.
+    permutation = np.random.default_rng([seed, epoch]).permutation(num_examples).astype(np.int64)
+    permutation.setflags(write=False)
+    return permutation
+
+
+def iter_batches(
+    dataset: Dataset,
+    indices: np.ndarray,
+    batch_size: int,
+    *,
+    split: Literal["train", "test"] = "train",
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(x, y) batches of the ``split`` rows ``indices``, in order; the last may be shorter."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if split == "train":
+        x, y = dataset.x_train, dataset.y_train
+    elif split == "test":
+        x, y = dataset.x_test, dataset.y_test
+    else:
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    for start in range(0, len(indices), batch_size):
+        rows = indices[start : start + batch_size]
+        yield x[rows], y[rows]
+
+
+def _held_out_split(num_examples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, test rows), both sorted; TEST_FRACTION of the rows, at least one each."""
+    num_test = min(max(1, round(num_examples * TEST_FRACTION)), num_examples - 1)
+    permutation = np.random.default_rng(_SPLIT_SEED).permutation(num_examples)
+    return np.sort(permutation[num_test:]), np.sort(permutation[:num_test])
+
+
+def _make_dataset(
+    name: str,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    num_classes: int | None = None,
+) -> Dataset:
+    arrays = [
+        np.ascontiguousarray(x_train, dtype=np.float32),
+        np.ascontiguousarray(y_train, dtype=np.int64),
+        np.ascontiguousarray(x_test, dtype=np.float32),
+        np.ascontiguousarray(y_test, dtype=np.int64),
+    ]
+    for array in arrays:
+        array.setflags(write=False)
+    if num_classes is None:
+        num_classes = int(max(arrays[1].max(initial=0), arrays[3].max(initial=0))) + 1
+    return Dataset(name, *arrays, num_features=int(arrays[0].shape[1]), num_classes=num_classes)
+
+
+def _split_and_make(
+    name: str, x: np.ndarray, y: np.ndarray, num_classes: int | None = None
+) -> Dataset:
+    train, test = _held_out_split(len(x))
+    return _make_dataset(name, x[train], y[train], x[test], y[test], num_classes)
+
+
+def _load_digits() -> Dataset:
+    resource = resources.files("ps_worker").joinpath("datasets").joinpath("digits.npz")
+    with resource.open("rb") as file, np.load(file) as archive:
+        pixels, labels = archive["x"], archive["y"]
+    # Pixels are counts of set bits in 4x4 blocks, 0..16.
+    return _split_and_make(DIGITS, pixels.astype(np.float32) / 16.0, labels, num_classes=10)
+
+
+def _make_synthetic(spec: str, seed: int) -> Dataset:
+    _, _, count = spec.partition(":")
+    if count:
+        try:
+            num_examples = int(count)
+        except ValueError:
+            raise ValueError(f"data set {spec!r}: {count!r} is not a number of examples") from None
+    else:
+        num_examples = _SYNTHETIC_DEFAULT_EXAMPLES
+    if num_examples < 2:
+        raise ValueError(f"data set {spec!r}: needs at least 2 examples to hold some out")
+    if seed < 0:
+        raise ValueError(f"data set {spec!r}: seed must be >= 0, got {seed}")
+    rng = np.random.default_rng(seed)
+    # Unit-variance clusters around centers about 2.5 apart per axis: learnable by a linear
+    # model, not separable enough to be trivial.
+    centers = rng.normal(0.0, 1.25, size=(_SYNTHETIC_CLASSES, _SYNTHETIC_FEATURES))
+    labels = rng.integers(0, _SYNTHETIC_CLASSES, size=num_examples)
+    features = centers[labels] + rng.normal(0.0, 1.0, size=(num_examples, _SYNTHETIC_FEATURES))
+    return _split_and_make(spec, features, labels, num_classes=_SYNTHETIC_CLASSES)
+
+
+def _load_npz(path: Path) -> Dataset:
+    if not path.is_file():
+        raise ValueError(f"data set file {str(path)!r} does not exist")
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"data set file {str(path)!r} is not a readable .npz file: {exc}") from exc
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValueError(f"data set file {str(path)!r} is a single array, not an .npz archive")
+    with archive:
+        try:
+            names = [name for name in ("x", "y", "x_test", "y_test") if name in archive.files]
+            arrays = {name: archive[name] for name in names}
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            raise ValueError(f"data set file {str(path)!r}: an array cannot be read: {exc}") from exc
+    for required in ("x", "y"):
+        if required not in arrays:
+            raise ValueError(
+                f"data set file {str(path)!r} has no array {required!r} "
+                f"(it has {sorted(archive.files)})"
+            )
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise ValueError(f"data set file {str(path)!r} must have both 'x_test' and 'y_test' or neither")
+    x, y = _checked_pair(path, arrays["x"], arrays["y"], "x", "y")
+    if "x_test" not in arrays:
+        return _split_and_make(str(path), x, y)
+    x_test, y_test = _checked_pair(path, arrays["x_test"], arrays["y_test"], "x_test", "y_test")
+    if x_test.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"data set file {str(path)!r}: 'x_test' has {x_test.shape[1]} features "
+            f"but 'x' has {x.shape[1]}"
+        )
+    return _make_dataset(str(path), x, y, x_test, y_test)
+
+
+def _checked_pair(
+    path: Path, x: np.ndarray, y: np.ndarray, x_name: str, y_name: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(x as float (N, F), y as int64 (N,)), or ValueError naming the file and the array."""
+    where = f"data set file {str(path)!r}"
+    if x.ndim < 1 or x.shape[0] == 0:
+        raise ValueError(f"{where}: {x_name!r} has no examples")
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_) or np.iscomplexobj(x):
+        raise ValueError(f"{where}: {x_name!r} has non-numeric dtype {x.dtype}")
+    # Images and other multi-axis examples become flat feature vectors.
+    x = x.reshape(x.shape[0], -1) if x.ndim != 2 else x
+    if not np.isfinite(x).all():
+        raise ValueError(f"{where}: {x_name!r} contains NaN or infinite values")
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise ValueError(f"{where}: {y_name!r} must be a vector of class labels, got shape {y.shape}")
+    if len(y) != len(x):
+        raise ValueError(f"{where}: {x_name!r} has {len(x)} examples but {y_name!r} has {len(y)} labels")
+    if np.issubdtype(y.dtype, np.floating):
+        if not (np.isfinite(y).all() and (y == np.round(y)).all()):
+            raise ValueError(f"{where}: {y_name!r} has non-integer labels")
+    elif not (np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_):
+        raise ValueError(f"{where}: {y_name!r} has non-integer labels (dtype {y.dtype})")
+    if y.min() < 0:
+        raise ValueError(f"{where}: {y_name!r} has negative labels; classes must be 0..C-1")
+    return x, y.astype(np.int64)

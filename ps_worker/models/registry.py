@@ -1,0 +1,99 @@
+"""``build_model``: from a ``--model`` value to a model object."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from ps_worker.models.base import Model
+from ps_worker.models.dense import MLP, LogisticRegression
+
+__all__ = ["BUILTIN_MODELS", "build_model"]
+
+BUILTIN_MODELS = ("logreg", "mlp")
+
+
+def build_model(
+    name_or_ref: str, *, num_features: int, num_classes: int, hidden: Sequence[int] = (128, 64)
+) -> Model:
+    """A built-in model by name (``"logreg"``, ``"mlp"``) or a user model ``"module:attribute"``.
+
+    A user attribute that is a class, or a callable that is not already a model, is called
+    with those of ``num_features``, ``num_classes`` and ``hidden`` that it accepts; anything
+    else is used as the model itself. Raises ``ValueError`` naming ``name_or_ref`` when the
+    name is unknown, the import or the call fails, or the result is not a model.
+    """
+    if name_or_ref == "logreg":
+        return LogisticRegression(num_features, num_classes)
+    if name_or_ref == "mlp":
+        return MLP(num_features, num_classes, hidden=tuple(hidden))
+    if ":" not in name_or_ref:
+        raise ValueError(
+            f"model {name_or_ref!r} is not one of {list(BUILTIN_MODELS)} "
+            "nor a 'module:attribute' reference"
+        )
+    target = _resolve(name_or_ref)
+    if inspect.isclass(target) or (callable(target) and not _looks_like_model(target)):
+        kwargs = _accepted_kwargs(
+            target, {"num_features": num_features, "num_classes": num_classes, "hidden": tuple(hidden)}
+        )
+        try:
+            target = target(**kwargs)
+        except Exception as exc:  # user code: any failure is a configuration error
+            raise ValueError(f"model {name_or_ref!r}: constructing it failed: {exc!r}") from exc
+    _check_model(name_or_ref, target)
+    return target
+
+
+def _resolve(reference: str) -> Any:
+    module_name, _, attribute_path = reference.partition(":")
+    if not module_name or not attribute_path:
+        raise ValueError(f"model reference {reference!r} must look like 'module:attribute'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # user code: a failing import is a configuration error
+        raise ValueError(f"model {reference!r}: cannot import {module_name!r}: {exc!r}") from exc
+    for attribute in attribute_path.split("."):
+        try:
+            target = getattr(target, attribute)
+        except AttributeError:
+            raise ValueError(
+                f"model {reference!r}: {module_name!r} has no attribute {attribute_path!r}"
+            ) from None
+    return target
+
+
+def _looks_like_model(candidate: Any) -> bool:
+    return callable(getattr(candidate, "variables", None)) and callable(
+        getattr(candidate, "loss_and_grads", None)
+    )
+
+
+def _accepted_kwargs(factory: Any, offered: dict[str, Any]) -> dict[str, Any]:
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: offer nothing
+        return {}
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return dict(offered)
+    accepted = {
+        parameter.name
+        for parameter in parameters
+        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {name: value for name, value in offered.items() if name in accepted}
+
+
+def _check_model(reference: str, model: Any) -> None:
+    if not _looks_like_model(model):
+        raise ValueError(f"model {reference!r} has no callable variables() and loss_and_grads()")
+    variables = model.variables()
+    names = [getattr(variable, "name", None) for variable in variables]
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(
+            f"model {reference!r}: variables() must return named variables, got {variables!r}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"model {reference!r}: variables() repeats a name: {names}")
