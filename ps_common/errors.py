@@ -25,8 +25,12 @@ class InvalidArgument(PSError):
     code = "INVALID_ARGUMENT"
 
 
-class UnknownVariable(PSError):
+class NotFound(PSError):
     code = "NOT_FOUND"
+
+
+class UnknownVariable(NotFound):
+    pass
 
 
 class SpecConflict(PSError):

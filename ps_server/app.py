@@ -85,7 +85,7 @@ class ParameterServer:
     def stop(self, grace_s: float | None = None) -> None:
         self._stop.set()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
-        if self._membership is not None:
+        if self._membership is not None and self._membership is not threading.current_thread():
             self._membership.join(timeout=5.0)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -118,6 +118,11 @@ class ParameterServer:
                     reply = stub.ServerHeartbeat(coordinator_pb2.ServerHeartbeatRequest(
                         server_id=self.server_id, epoch=self.store.epoch), timeout=5.0)
                     registered = reply.known
+                    if reply.shutdown:
+                        log.info("the coordinator says the job is over: shutting down")
+                        threading.Thread(target=self.stop, name="ps-server-shutdown",
+                                         daemon=True).start()
+                        return
                 except grpc.RpcError as error:
                     log.warning("coordinator %s: %s", self.config.coordinator, error.code().name)
                     registered = False

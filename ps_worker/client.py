@@ -112,6 +112,8 @@ class PSClient:
         self._acked_through: dict[str, int] = {}
 
         self._rpc_pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ps-client-rpc")
+        self._prefetch_pool = futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="ps-client-pull")
         self._async_pool = futures.ThreadPoolExecutor(
             max_workers=max_in_flight_pushes, thread_name_prefix="ps-client-push")
         self._window = threading.BoundedSemaphore(max_in_flight_pushes)
@@ -127,6 +129,7 @@ class PSClient:
                 return
             self._closed = True
         self._async_pool.shutdown(wait=True)
+        self._prefetch_pool.shutdown(wait=True)
         self._rpc_pool.shutdown(wait=True)
         with self._lock:
             for channel in self._channels.values():
@@ -209,17 +212,20 @@ class PSClient:
 
     # ---- pull --------------------------------------------------------------------------
 
-    def pull(self, names: str | list[str], *, wire_dtype: str | None = None):
+    def pull(self, names: str | list[str], *, wire_dtype: str | None = None,
+             out: Mapping[str, np.ndarray] | None = None):
         """Current values: one array for a name, a dict for a list of names.
 
         `wire_dtype` ("float16", "bfloat16", ...) narrows the transfer; values come back in
-        the variable's own dtype. Raises RemoteError.
+        the variable's own dtype. `out` maps names to C-contiguous arrays of the variable's
+        shape and dtype (e.g. reusable or pinned host buffers) that the bytes land in
+        directly. Raises RemoteError.
         """
         single = isinstance(names, str)
         wanted = [names] if single else list(dict.fromkeys(names))
         for _ in range(MAX_MAP_REFRESHES):
             shard_map = self._map_with(wanted)
-            outputs = {n: np.empty(shard_map.spec(n).shape, shard_map.spec(n).dtype) for n in wanted}
+            outputs = {n: self._output(shard_map.spec(n), out) for n in wanted}
             try:
                 self._run_per_server(shard_map, wanted, lambda sid, shards: self._pull_from(
                     shard_map, sid, shards, outputs, wire_dtype))
@@ -231,6 +237,24 @@ class PSClient:
             return outputs[names] if single else outputs
         raise _local_error(grpc.StatusCode.ABORTED,
                            f"shard map kept changing during {MAX_MAP_REFRESHES} pull attempts")
+
+    def pull_async(self, names: str | list[str], *, wire_dtype: str | None = None,
+                   out: Mapping[str, np.ndarray] | None = None) -> futures.Future:
+        """`pull` in the background (e.g. the next step's parameters while this step
+        computes); returns a Future of what `pull` returns."""
+        return self._prefetch_pool.submit(self.pull, names, wire_dtype=wire_dtype, out=out)
+
+    @staticmethod
+    def _output(spec: VariableSpec, out: Mapping[str, np.ndarray] | None) -> np.ndarray:
+        if out is None or spec.name not in out:
+            return np.empty(spec.shape, spec.dtype)
+        given = out[spec.name]
+        if (tuple(given.shape) != spec.shape or given.dtype != np.dtype(spec.dtype)
+                or not given.flags.c_contiguous or not given.flags.writeable):
+            raise ValueError(
+                f"out[{spec.name!r}] must be a writable C-contiguous {spec.dtype} array of shape "
+                f"{spec.shape}, got {given.dtype} {given.shape}")
+        return given
 
     def _pull_from(self, shard_map: ShardMap, server_id: str, shards: list[Shard],
                    outputs: dict[str, np.ndarray], wire_dtype: str | None) -> None:

@@ -25,13 +25,17 @@ _sym_db = _symbol_database.Default()
 from ps_proto.v1 import tensor_pb2 as ps__proto_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dps_proto/v1/coordinator.proto\x12\x05ps.v1\x1a\x18ps_proto/v1/tensor.proto\"X\n\x15RegisterServerRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x03\"4\n\x13RegisterServerReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x03\":\n\x16ServerHeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"4\n\x14ServerHeartbeatReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05known\x18\x02 \x01(\x08\"8\n\x0e\x44\x65\x63lareRequest\x12&\n\tvariables\x18\x01 \x03(\x0b\x32\x13.ps.v1.VariableSpec\"\x14\n\x12GetShardMapRequest2\x96\x02\n\x0b\x43oordinator\x12J\n\x0eRegisterServer\x12\x1c.ps.v1.RegisterServerRequest\x1a\x1a.ps.v1.RegisterServerReply\x12M\n\x0fServerHeartbeat\x12\x1d.ps.v1.ServerHeartbeatRequest\x1a\x1b.ps.v1.ServerHeartbeatReply\x12\x31\n\x07\x44\x65\x63lare\x12\x15.ps.v1.DeclareRequest\x1a\x0f.ps.v1.ShardMap\x12\x39\n\x0bGetShardMap\x12\x19.ps.v1.GetShardMapRequest\x1a\x0f.ps.v1.ShardMapb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dps_proto/v1/coordinator.proto\x12\x05ps.v1\x1a\x18ps_proto/v1/tensor.proto\"X\n\x15RegisterServerRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x03\"4\n\x13RegisterServerReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x03\":\n\x16ServerHeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"F\n\x14ServerHeartbeatReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08shutdown\x18\x03 \x01(\x08\"8\n\x0e\x44\x65\x63lareRequest\x12&\n\tvariables\x18\x01 \x03(\x0b\x32\x13.ps.v1.VariableSpec\"\x14\n\x12GetShardMapRequest\"*\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"[\n\x13RegisterWorkerReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\x03\x12\x10\n\x08job_json\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\x03\"@\n\x16WorkerHeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\";\n\x14WorkerHeartbeatReply\x12#\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x13.ps.v1.WorkerAction\"m\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x1d\n\x04kind\x18\x02 \x01(\x0e\x32\x0f.ps.v1.TaskKind\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x17\n\x0ftasks_per_epoch\x18\x05 \x01(\x05\":\n\x10LeaseTaskRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"z\n\x0eLeaseTaskReply\x12\x1b\n\x04task\x18\x01 \x01(\x0b\x32\x0b.ps.v1.TaskH\x00\x12\x18\n\x0eretry_after_ms\x18\x02 \x01(\x03H\x00\x12\x12\n\x08job_done\x18\x03 \x01(\x08H\x00\x12\x12\n\nreregister\x18\x04 \x01(\x08\x42\t\n\x07outcome\"b\n\x0bTaskMetrics\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x10\n\x08\x65xamples\x18\x02 \x01(\x03\x12\x0f\n\x07\x63orrect\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"s\n\x13\x43ompleteTaskRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\x03\x12#\n\x07metrics\x18\x04 \x01(\x0b\x32\x12.ps.v1.TaskMetrics\"&\n\x11\x43ompleteTaskReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\x9b\x01\n\x0c\x45pochMetrics\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x11\n\ttest_loss\x18\x04 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x05 \x01(\x01\x12\x11\n\tevaluated\x18\x06 \x01(\x08\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x10\n\x08\x65xamples\x18\x08 \x01(\x03\"\xcd\x01\n\tJobStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x05\x12\x0e\n\x06\x65pochs\x18\x03 \x01(\x05\x12\x12\n\ntasks_done\x18\x04 \x01(\x03\x12\x13\n\x0btasks_total\x18\x05 \x01(\x03\x12\r\n\x05steps\x18\x06 \x01(\x03\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\x12$\n\x07metrics\x18\x08 \x03(\x0b\x32\x13.ps.v1.EpochMetrics\x12\x10\n\x08job_json\x18\t \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\n \x01(\t\"\xba\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tdied_at_s\x18\x06 \x01(\x01\x12\x12\n\ntasks_done\x18\x07 \x01(\x03\x12\r\n\x05steps\x18\x08 \x01(\x03\x12\x14\n\x0cleased_tasks\x18\t \x03(\x03\"\x8f\x01\n\x0cServerStatus\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0e\n\x06shards\x18\x06 \x01(\x05\x12\x14\n\x0csynced_epoch\x18\x07 \x01(\x03\"\x93\x01\n\rClusterStatus\x12\x1d\n\x03job\x18\x01 \x01(\x0b\x32\x10.ps.v1.JobStatus\x12$\n\x07workers\x18\x02 \x03(\x0b\x32\x13.ps.v1.WorkerStatus\x12$\n\x07servers\x18\x03 \x03(\x0b\x32\x13.ps.v1.ServerStatus\x12\x17\n\x0fshard_map_epoch\x18\x04 \x01(\x03*U\n\x0cWorkerAction\x12\x1d\n\x19WORKER_ACTION_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43ONTINUE\x10\x01\x12\x0e\n\nREREGISTER\x10\x02\x12\x08\n\x04STOP\x10\x03*>\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x0c\n\x08\x45VALUATE\x10\x02\x32\xf0\x04\n\x0b\x43oordinator\x12J\n\x0eRegisterServer\x12\x1c.ps.v1.RegisterServerRequest\x1a\x1a.ps.v1.RegisterServerReply\x12M\n\x0fServerHeartbeat\x12\x1d.ps.v1.ServerHeartbeatRequest\x1a\x1b.ps.v1.ServerHeartbeatReply\x12\x31\n\x07\x44\x65\x63lare\x12\x15.ps.v1.DeclareRequest\x1a\x0f.ps.v1.ShardMap\x12\x39\n\x0bGetShardMap\x12\x19.ps.v1.GetShardMapRequest\x1a\x0f.ps.v1.ShardMap\x12J\n\x0eRegisterWorker\x12\x1c.ps.v1.RegisterWorkerRequest\x1a\x1a.ps.v1.RegisterWorkerReply\x12M\n\x0fWorkerHeartbeat\x12\x1d.ps.v1.WorkerHeartbeatRequest\x1a\x1b.ps.v1.WorkerHeartbeatReply\x12;\n\tLeaseTask\x12\x17.ps.v1.LeaseTaskRequest\x1a\x15.ps.v1.LeaseTaskReply\x12\x44\n\x0c\x43ompleteTask\x12\x1a.ps.v1.CompleteTaskRequest\x1a\x18.ps.v1.CompleteTaskReply\x12:\n\tGetStatus\x12\x17.ps.v1.GetStatusRequest\x1a\x14.ps.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ps_proto.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_WORKERACTION']._serialized_start=2109
+  _globals['_WORKERACTION']._serialized_end=2194
+  _globals['_TASKKIND']._serialized_start=2196
+  _globals['_TASKKIND']._serialized_end=2258
   _globals['_REGISTERSERVERREQUEST']._serialized_start=66
   _globals['_REGISTERSERVERREQUEST']._serialized_end=154
   _globals['_REGISTERSERVERREPLY']._serialized_start=156
@@ -39,11 +43,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERHEARTBEATREQUEST']._serialized_start=210
   _globals['_SERVERHEARTBEATREQUEST']._serialized_end=268
   _globals['_SERVERHEARTBEATREPLY']._serialized_start=270
-  _globals['_SERVERHEARTBEATREPLY']._serialized_end=322
-  _globals['_DECLAREREQUEST']._serialized_start=324
-  _globals['_DECLAREREQUEST']._serialized_end=380
-  _globals['_GETSHARDMAPREQUEST']._serialized_start=382
-  _globals['_GETSHARDMAPREQUEST']._serialized_end=402
-  _globals['_COORDINATOR']._serialized_start=405
-  _globals['_COORDINATOR']._serialized_end=683
+  _globals['_SERVERHEARTBEATREPLY']._serialized_end=340
+  _globals['_DECLAREREQUEST']._serialized_start=342
+  _globals['_DECLAREREQUEST']._serialized_end=398
+  _globals['_GETSHARDMAPREQUEST']._serialized_start=400
+  _globals['_GETSHARDMAPREQUEST']._serialized_end=420
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=422
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=464
+  _globals['_REGISTERWORKERREPLY']._serialized_start=466
+  _globals['_REGISTERWORKERREPLY']._serialized_end=557
+  _globals['_WORKERHEARTBEATREQUEST']._serialized_start=559
+  _globals['_WORKERHEARTBEATREQUEST']._serialized_end=623
+  _globals['_WORKERHEARTBEATREPLY']._serialized_start=625
+  _globals['_WORKERHEARTBEATREPLY']._serialized_end=684
+  _globals['_TASK']._serialized_start=686
+  _globals['_TASK']._serialized_end=795
+  _globals['_LEASETASKREQUEST']._serialized_start=797
+  _globals['_LEASETASKREQUEST']._serialized_end=855
+  _globals['_LEASETASKREPLY']._serialized_start=857
+  _globals['_LEASETASKREPLY']._serialized_end=979
+  _globals['_TASKMETRICS']._serialized_start=981
+  _globals['_TASKMETRICS']._serialized_end=1079
+  _globals['_COMPLETETASKREQUEST']._serialized_start=1081
+  _globals['_COMPLETETASKREQUEST']._serialized_end=1196
+  _globals['_COMPLETETASKREPLY']._serialized_start=1198
+  _globals['_COMPLETETASKREPLY']._serialized_end=1236
+  _globals['_GETSTATUSREQUEST']._serialized_start=1238
+  _globals['_GETSTATUSREQUEST']._serialized_end=1256
+  _globals['_EPOCHMETRICS']._serialized_start=1259
+  _globals['_EPOCHMETRICS']._serialized_end=1414
+  _globals['_JOBSTATUS']._serialized_start=1417
+  _globals['_JOBSTATUS']._serialized_end=1622
+  _globals['_WORKERSTATUS']._serialized_start=1625
+  _globals['_WORKERSTATUS']._serialized_end=1811
+  _globals['_SERVERSTATUS']._serialized_start=1814
+  _globals['_SERVERSTATUS']._serialized_end=1957
+  _globals['_CLUSTERSTATUS']._serialized_start=1960
+  _globals['_CLUSTERSTATUS']._serialized_end=2107
+  _globals['_COORDINATOR']._serialized_start=2261
+  _globals['_COORDINATOR']._serialized_end=2885
 # @@protoc_insertion_point(module_scope)

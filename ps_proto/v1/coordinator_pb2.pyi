@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from ps_proto.v1 import tensor_pb2 as _tensor_pb2
 import builtins as _builtins
 import sys
@@ -18,6 +19,48 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _WorkerAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WorkerActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WORKER_ACTION_UNSPECIFIED: _WorkerAction.ValueType  # 0
+    CONTINUE: _WorkerAction.ValueType  # 1
+    REREGISTER: _WorkerAction.ValueType  # 2
+    """This incarnation was declared dead (e.g. missed heartbeats): register again."""
+    STOP: _WorkerAction.ValueType  # 3
+    """The job is over: exit 0."""
+
+class WorkerAction(_WorkerAction, metaclass=_WorkerActionEnumTypeWrapper): ...
+
+WORKER_ACTION_UNSPECIFIED: WorkerAction.ValueType  # 0
+CONTINUE: WorkerAction.ValueType  # 1
+REREGISTER: WorkerAction.ValueType  # 2
+"""This incarnation was declared dead (e.g. missed heartbeats): register again."""
+STOP: WorkerAction.ValueType  # 3
+"""The job is over: exit 0."""
+Global___WorkerAction: _TypeAlias = WorkerAction  # noqa: Y015
+
+class _TaskKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TaskKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TASK_KIND_UNSPECIFIED: _TaskKind.ValueType  # 0
+    TRAIN: _TaskKind.ValueType  # 1
+    EVALUATE: _TaskKind.ValueType  # 2
+    """Evaluate the current parameters on the held-out set after an epoch's training."""
+
+class TaskKind(_TaskKind, metaclass=_TaskKindEnumTypeWrapper): ...
+
+TASK_KIND_UNSPECIFIED: TaskKind.ValueType  # 0
+TRAIN: TaskKind.ValueType  # 1
+EVALUATE: TaskKind.ValueType  # 2
+"""Evaluate the current parameters on the held-out set after an epoch's training."""
+Global___TaskKind: _TypeAlias = TaskKind  # noqa: Y015
 
 @_typing.final
 class RegisterServerRequest(_message.Message):
@@ -93,20 +136,24 @@ class ServerHeartbeatReply(_message.Message):
 
     EPOCH_FIELD_NUMBER: _builtins.int
     KNOWN_FIELD_NUMBER: _builtins.int
+    SHUTDOWN_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     known: _builtins.bool
     """False when the coordinator does not know this server (e.g. it restarted without
     state): the server registers again.
     """
+    shutdown: _builtins.bool
+    """The job is over: stop serving and exit (unless the coordinator keeps servers up)."""
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         known: _builtins.bool = ...,
+        shutdown: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "known", b"known"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "known", b"known", "shutdown", b"shutdown"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -146,3 +193,475 @@ class GetShardMapRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetShardMapRequest: _TypeAlias = GetShardMapRequest  # noqa: Y015
+
+@_typing.final
+class RegisterWorkerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """Stable name of the worker (e.g. host-pid); the coordinator hands out the incarnation."""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterWorkerRequest: _TypeAlias = RegisterWorkerRequest  # noqa: Y015
+
+@_typing.final
+class RegisterWorkerReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    JOB_JSON_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    job_json: _builtins.str
+    """The job as JSON (ps_common.job.JobSpec); empty when the coordinator has no job."""
+    heartbeat_interval_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        incarnation: _builtins.int = ...,
+        job_json: _builtins.str = ...,
+        heartbeat_interval_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "incarnation", b"incarnation", "job_json", b"job_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterWorkerReply: _TypeAlias = RegisterWorkerReply  # noqa: Y015
+
+@_typing.final
+class WorkerHeartbeatRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    incarnation: _builtins.int
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerHeartbeatRequest: _TypeAlias = WorkerHeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class WorkerHeartbeatReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    action: Global___WorkerAction.ValueType
+    def __init__(
+        self,
+        *,
+        action: Global___WorkerAction.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerHeartbeatReply: _TypeAlias = WorkerHeartbeatReply  # noqa: Y015
+
+@_typing.final
+class Task(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    TASKS_PER_EPOCH_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.int
+    kind: Global___TaskKind.ValueType
+    epoch: _builtins.int
+    index: _builtins.int
+    tasks_per_epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.int = ...,
+        kind: Global___TaskKind.ValueType = ...,
+        epoch: _builtins.int = ...,
+        index: _builtins.int = ...,
+        tasks_per_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "index", b"index", "kind", b"kind", "task_id", b"task_id", "tasks_per_epoch", b"tasks_per_epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Task: _TypeAlias = Task  # noqa: Y015
+
+@_typing.final
+class LeaseTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    incarnation: _builtins.int
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseTaskRequest: _TypeAlias = LeaseTaskRequest  # noqa: Y015
+
+@_typing.final
+class LeaseTaskReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
+    JOB_DONE_FIELD_NUMBER: _builtins.int
+    REREGISTER_FIELD_NUMBER: _builtins.int
+    retry_after_ms: _builtins.int
+    """Nothing to hand out now (the epoch's last tasks are still running): ask again later."""
+    job_done: _builtins.bool
+    """The job is over: exit 0."""
+    reregister: _builtins.bool
+    """The caller's incarnation is fenced: register again."""
+    @_builtins.property
+    def task(self) -> Global___Task: ...
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+        retry_after_ms: _builtins.int = ...,
+        job_done: _builtins.bool = ...,
+        reregister: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job_done", b"job_done", "outcome", b"outcome", "retry_after_ms", b"retry_after_ms", "task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_done", b"job_done", "outcome", b"outcome", "reregister", b"reregister", "retry_after_ms", b"retry_after_ms", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["task", "retry_after_ms", "job_done"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___LeaseTaskReply: _TypeAlias = LeaseTaskReply  # noqa: Y015
+
+@_typing.final
+class TaskMetrics(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOSS_SUM_FIELD_NUMBER: _builtins.int
+    EXAMPLES_FIELD_NUMBER: _builtins.int
+    CORRECT_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    loss_sum: _builtins.float
+    examples: _builtins.int
+    correct: _builtins.int
+    steps: _builtins.int
+    seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        loss_sum: _builtins.float = ...,
+        examples: _builtins.int = ...,
+        correct: _builtins.int = ...,
+        steps: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["correct", b"correct", "examples", b"examples", "loss_sum", b"loss_sum", "seconds", b"seconds", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskMetrics: _TypeAlias = TaskMetrics  # noqa: Y015
+
+@_typing.final
+class CompleteTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    incarnation: _builtins.int
+    task_id: _builtins.int
+    @_builtins.property
+    def metrics(self) -> Global___TaskMetrics: ...
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+        task_id: _builtins.int = ...,
+        metrics: Global___TaskMetrics | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "metrics", b"metrics", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteTaskRequest: _TypeAlias = CompleteTaskRequest  # noqa: Y015
+
+@_typing.final
+class CompleteTaskReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DUPLICATE_FIELD_NUMBER: _builtins.int
+    duplicate: _builtins.bool
+    """True when the task had already been reported done: nothing changed."""
+    def __init__(
+        self,
+        *,
+        duplicate: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteTaskReply: _TypeAlias = CompleteTaskReply  # noqa: Y015
+
+@_typing.final
+class GetStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatusRequest: _TypeAlias = GetStatusRequest  # noqa: Y015
+
+@_typing.final
+class EpochMetrics(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    ACCURACY_FIELD_NUMBER: _builtins.int
+    TEST_LOSS_FIELD_NUMBER: _builtins.int
+    TEST_ACCURACY_FIELD_NUMBER: _builtins.int
+    EVALUATED_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    EXAMPLES_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    loss: _builtins.float
+    accuracy: _builtins.float
+    test_loss: _builtins.float
+    test_accuracy: _builtins.float
+    evaluated: _builtins.bool
+    steps: _builtins.int
+    examples: _builtins.int
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        loss: _builtins.float = ...,
+        accuracy: _builtins.float = ...,
+        test_loss: _builtins.float = ...,
+        test_accuracy: _builtins.float = ...,
+        evaluated: _builtins.bool = ...,
+        steps: _builtins.int = ...,
+        examples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accuracy", b"accuracy", "epoch", b"epoch", "evaluated", b"evaluated", "examples", b"examples", "loss", b"loss", "steps", b"steps", "test_accuracy", b"test_accuracy", "test_loss", b"test_loss"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EpochMetrics: _TypeAlias = EpochMetrics  # noqa: Y015
+
+@_typing.final
+class JobStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    EPOCHS_FIELD_NUMBER: _builtins.int
+    TASKS_DONE_FIELD_NUMBER: _builtins.int
+    TASKS_TOTAL_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    ELAPSED_S_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    JOB_JSON_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """"none", "running", "done" or "failed"."""
+    epoch: _builtins.int
+    epochs: _builtins.int
+    tasks_done: _builtins.int
+    tasks_total: _builtins.int
+    steps: _builtins.int
+    elapsed_s: _builtins.float
+    job_json: _builtins.str
+    failure: _builtins.str
+    """Why the job failed, when state is "failed"."""
+    @_builtins.property
+    def metrics(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochMetrics]: ...
+    def __init__(
+        self,
+        *,
+        state: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        epochs: _builtins.int = ...,
+        tasks_done: _builtins.int = ...,
+        tasks_total: _builtins.int = ...,
+        steps: _builtins.int = ...,
+        elapsed_s: _builtins.float = ...,
+        metrics: _abc.Iterable[Global___EpochMetrics] | None = ...,
+        job_json: _builtins.str = ...,
+        failure: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "epoch", b"epoch", "epochs", b"epochs", "failure", b"failure", "job_json", b"job_json", "metrics", b"metrics", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "tasks_total", b"tasks_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
+
+@_typing.final
+class WorkerStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DIED_AT_S_FIELD_NUMBER: _builtins.int
+    TASKS_DONE_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    LEASED_TASKS_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    incarnation: _builtins.int
+    state: _builtins.str
+    """"alive", "dead" or "done"."""
+    heartbeat_age_s: _builtins.float
+    reason: _builtins.str
+    died_at_s: _builtins.float
+    tasks_done: _builtins.int
+    steps: _builtins.int
+    @_builtins.property
+    def leased_tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+        state: _builtins.str = ...,
+        heartbeat_age_s: _builtins.float = ...,
+        reason: _builtins.str = ...,
+        died_at_s: _builtins.float = ...,
+        tasks_done: _builtins.int = ...,
+        steps: _builtins.int = ...,
+        leased_tasks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["died_at_s", b"died_at_s", "heartbeat_age_s", b"heartbeat_age_s", "incarnation", b"incarnation", "leased_tasks", b"leased_tasks", "reason", b"reason", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerStatus: _TypeAlias = WorkerStatus  # noqa: Y015
+
+@_typing.final
+class ServerStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    SYNCED_EPOCH_FIELD_NUMBER: _builtins.int
+    server_id: _builtins.str
+    address: _builtins.str
+    state: _builtins.str
+    """"alive", "dead" or "done"."""
+    heartbeat_age_s: _builtins.float
+    bytes: _builtins.int
+    shards: _builtins.int
+    synced_epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        server_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        state: _builtins.str = ...,
+        heartbeat_age_s: _builtins.float = ...,
+        bytes: _builtins.int = ...,
+        shards: _builtins.int = ...,
+        synced_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes", b"bytes", "heartbeat_age_s", b"heartbeat_age_s", "server_id", b"server_id", "shards", b"shards", "state", b"state", "synced_epoch", b"synced_epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServerStatus: _TypeAlias = ServerStatus  # noqa: Y015
+
+@_typing.final
+class ClusterStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    SERVERS_FIELD_NUMBER: _builtins.int
+    SHARD_MAP_EPOCH_FIELD_NUMBER: _builtins.int
+    shard_map_epoch: _builtins.int
+    @_builtins.property
+    def job(self) -> Global___JobStatus: ...
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]: ...
+    @_builtins.property
+    def servers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServerStatus]: ...
+    def __init__(
+        self,
+        *,
+        job: Global___JobStatus | None = ...,
+        workers: _abc.Iterable[Global___WorkerStatus] | None = ...,
+        servers: _abc.Iterable[Global___ServerStatus] | None = ...,
+        shard_map_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "servers", b"servers", "shard_map_epoch", b"shard_map_epoch", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterStatus: _TypeAlias = ClusterStatus  # noqa: Y015

@@ -57,6 +57,31 @@ class CoordinatorStub:
                 request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_tensor__pb2.ShardMap.FromString,
                 _registered_method=True)
+        self.RegisterWorker = channel.unary_unary(
+                '/ps.v1.Coordinator/RegisterWorker',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterWorkerReply.FromString,
+                _registered_method=True)
+        self.WorkerHeartbeat = channel.unary_unary(
+                '/ps.v1.Coordinator/WorkerHeartbeat',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.WorkerHeartbeatRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.WorkerHeartbeatReply.FromString,
+                _registered_method=True)
+        self.LeaseTask = channel.unary_unary(
+                '/ps.v1.Coordinator/LeaseTask',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.LeaseTaskRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.LeaseTaskReply.FromString,
+                _registered_method=True)
+        self.CompleteTask = channel.unary_unary(
+                '/ps.v1.Coordinator/CompleteTask',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.FromString,
+                _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/ps.v1.Coordinator/GetStatus',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.ClusterStatus.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -90,6 +115,38 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWorker(self, request, context):
+        """Training runtime: workers register, heartbeat, lease tasks and report them done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WorkerHeartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStatus(self, request, context):
+        """Everything `ps-ctl status` shows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +169,31 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetShardMap,
                     request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_tensor__pb2.ShardMap.SerializeToString,
+            ),
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterWorkerReply.SerializeToString,
+            ),
+            'WorkerHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.WorkerHeartbeat,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.WorkerHeartbeatRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.WorkerHeartbeatReply.SerializeToString,
+            ),
+            'LeaseTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseTask,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.LeaseTaskRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.LeaseTaskReply.SerializeToString,
+            ),
+            'CompleteTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteTask,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.GetStatusRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +306,141 @@ class Coordinator:
             '/ps.v1.Coordinator/GetShardMap',
             ps__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
             ps__proto_dot_v1_dot_tensor__pb2.ShardMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/RegisterWorker',
+            ps__proto_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.RegisterWorkerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WorkerHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/WorkerHeartbeat',
+            ps__proto_dot_v1_dot_coordinator__pb2.WorkerHeartbeatRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.WorkerHeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/LeaseTask',
+            ps__proto_dot_v1_dot_coordinator__pb2.LeaseTaskRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.LeaseTaskReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/CompleteTask',
+            ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/GetStatus',
+            ps__proto_dot_v1_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,13 @@ class CoordinatorStub:
     them exists on its server.
     """
     GetShardMap: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetShardMapRequest, _tensor_pb2.ShardMap]
+    RegisterWorker: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RegisterWorkerRequest, _coordinator_pb2.RegisterWorkerReply]
+    """Training runtime: workers register, heartbeat, lease tasks and report them done."""
+    WorkerHeartbeat: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.WorkerHeartbeatRequest, _coordinator_pb2.WorkerHeartbeatReply]
+    LeaseTask: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseTaskRequest, _coordinator_pb2.LeaseTaskReply]
+    CompleteTask: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteTaskRequest, _coordinator_pb2.CompleteTaskReply]
+    GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]
+    """Everything `ps-ctl status` shows."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -58,6 +65,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     them exists on its server.
     """
     GetShardMap: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetShardMapRequest, _tensor_pb2.ShardMap]  # type: ignore[assignment]
+    RegisterWorker: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RegisterWorkerRequest, _coordinator_pb2.RegisterWorkerReply]  # type: ignore[assignment]
+    """Training runtime: workers register, heartbeat, lease tasks and report them done."""
+    WorkerHeartbeat: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.WorkerHeartbeatRequest, _coordinator_pb2.WorkerHeartbeatReply]  # type: ignore[assignment]
+    LeaseTask: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseTaskRequest, _coordinator_pb2.LeaseTaskReply]  # type: ignore[assignment]
+    CompleteTask: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteTaskRequest, _coordinator_pb2.CompleteTaskReply]  # type: ignore[assignment]
+    GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]  # type: ignore[assignment]
+    """Everything `ps-ctl status` shows."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """Control plane only: membership, variable declaration and placement. The data path never
@@ -94,5 +108,42 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.GetShardMapRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_tensor_pb2.ShardMap, _abc.Awaitable[_tensor_pb2.ShardMap]]: ...
+
+    @_abc_1.abstractmethod
+    def RegisterWorker(
+        self,
+        request: _coordinator_pb2.RegisterWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RegisterWorkerReply, _abc.Awaitable[_coordinator_pb2.RegisterWorkerReply]]:
+        """Training runtime: workers register, heartbeat, lease tasks and report them done."""
+
+    @_abc_1.abstractmethod
+    def WorkerHeartbeat(
+        self,
+        request: _coordinator_pb2.WorkerHeartbeatRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.WorkerHeartbeatReply, _abc.Awaitable[_coordinator_pb2.WorkerHeartbeatReply]]: ...
+
+    @_abc_1.abstractmethod
+    def LeaseTask(
+        self,
+        request: _coordinator_pb2.LeaseTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LeaseTaskReply, _abc.Awaitable[_coordinator_pb2.LeaseTaskReply]]: ...
+
+    @_abc_1.abstractmethod
+    def CompleteTask(
+        self,
+        request: _coordinator_pb2.CompleteTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.CompleteTaskReply, _abc.Awaitable[_coordinator_pb2.CompleteTaskReply]]: ...
+
+    @_abc_1.abstractmethod
+    def GetStatus(
+        self,
+        request: _coordinator_pb2.GetStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ClusterStatus, _abc.Awaitable[_coordinator_pb2.ClusterStatus]]:
+        """Everything `ps-ctl status` shows."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
 from ps_common.clock import Clock, SystemClock
+from ps_common.job import JobSpec
 from ps_proto.v1 import coordinator_pb2_grpc
 from ps_server.coordinator.assigner import Assigner
+from ps_server.coordinator.jobs import JobRunner
 from ps_server.coordinator.servicer import CoordinatorServicer
 from ps_server.coordinator.state import CoordinatorState
 from ps_server.daemon import Daemon
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = "ps.v1.Coordinator"
 
@@ -22,6 +28,9 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = 10.0
     split_threshold_bytes: int = 64 * 1024 * 1024
     grace_s: float = 5.0
+    job: JobSpec | None = None
+    # Keep servers (and this coordinator) up after the job ends, for PSClient users.
+    keep_serving: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -44,9 +53,13 @@ class Coordinator:
         self.state = CoordinatorState(
             clock or SystemClock(), heartbeat_timeout_s=config.heartbeat_timeout_s,
             split_threshold_bytes=config.split_threshold_bytes)
+        self._clock = clock or SystemClock()
         self._assigner = Assigner(self.state)
+        self.runner = JobRunner(config.job, self._clock,
+                                heartbeat_timeout_s=config.heartbeat_timeout_s)
         servicer = CoordinatorServicer(
-            self.state, self._assigner, heartbeat_interval_s=config.heartbeat_interval_s)
+            self.state, self._assigner, self.runner, self._clock,
+            heartbeat_interval_s=config.heartbeat_interval_s, keep_serving=config.keep_serving)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
@@ -54,12 +67,35 @@ class Coordinator:
             interceptors=interceptors,
         )
         self.address, self.port = self._daemon.address, self._daemon.port
+        self._stopping = threading.Event()
+        self._finisher: threading.Thread | None = None
 
     def start(self) -> "Coordinator":
         self._daemon.start()
+        if self.config.job is not None and not self.config.keep_serving:
+            self._finisher = threading.Thread(
+                target=self._finish_when_job_over, name="ps-coordinator-finisher", daemon=True)
+            self._finisher.start()
         return self
 
+    def _finish_when_job_over(self) -> None:
+        """After the job ends, wait until every live member has been told (or a heartbeat
+        timeout has passed), then shut down: the process exits 0."""
+        while not self._stopping.wait(0.1):
+            if self.runner.over:
+                break
+        else:
+            return
+        log.info("job %s; telling workers and servers to exit", self.runner.state.value)
+        deadline = self._clock.monotonic() + self.config.heartbeat_timeout_s + 2.0
+        while not self._stopping.wait(0.1) and self._clock.monotonic() < deadline:
+            servers_left = [m for m in self.state.live_servers() if not m.told_to_stop]
+            if not servers_left and self.runner.live_workers() == 0:
+                break
+        threading.Thread(target=self.stop, name="ps-coordinator-stop", daemon=True).start()
+
     def stop(self, grace_s: float | None = None) -> None:
+        self._stopping.set()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
         self._assigner.close()
 

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from ps_common.cli import fail, parse_bytes, run_until_signal, setup_logging
+from ps_common.job import JobError, add_job_arguments, job_from_args
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 
 log = logging.getLogger("ps-coordinator")
@@ -25,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="SECONDS")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="SECONDS")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--keep-serving", action="store_true",
+                   help="keep servers and the coordinator up after the job ends")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_job_arguments(p)
     return p
 
 
@@ -34,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:
+        job = job_from_args(args)
+    except JobError as error:
+        fail(parser, str(error))
+        raise
+    try:
         config = CoordinatorConfig(
+            job=job, keep_serving=args.keep_serving,
             host=args.host, port=args.port, heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
             split_threshold_bytes=args.split_threshold, grace_s=args.grace)
@@ -47,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-coordinator: --host/--port: {error}", file=sys.stderr)
         return 1
     print(f"ps-coordinator listening on {coordinator.address}", flush=True)
+    if job is not None:
+        log.info("job: %s", job.to_json())
     code = run_until_signal(coordinator.stop, coordinator.wait)
     log.info("stopped")
     return code

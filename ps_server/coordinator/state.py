@@ -25,6 +25,8 @@ class ServerMember:
     budget_bytes: int
     online_until: float
     synced_epoch: int = 0  # the highest shard-map epoch this server has acknowledged
+    last_heartbeat: float = 0.0
+    told_to_stop: bool = False
 
 
 class CoordinatorState:
@@ -51,7 +53,8 @@ class CoordinatorState:
         now = self._clock.monotonic()
         with self._lock:
             self._servers[server_id] = ServerMember(
-                server_id, address, budget_bytes, now + self._timeout, synced_epoch=0)
+                server_id, address, budget_bytes, now + self._timeout, synced_epoch=0,
+                last_heartbeat=now)
             known_address = self._map.servers.get(server_id)
             if known_address is not None and known_address != address:
                 self._map = replace(self._map, epoch=self._map.epoch + 1,
@@ -65,7 +68,7 @@ class CoordinatorState:
             if member is None:
                 return False, False
             self._servers[server_id] = replace(
-                member, online_until=now + self._timeout,
+                member, online_until=now + self._timeout, last_heartbeat=now,
                 synced_epoch=min(member.synced_epoch, server_epoch))
             return True, server_epoch < self._map.epoch and self._holds_shards(server_id)
 
@@ -74,6 +77,12 @@ class CoordinatorState:
             member = self._servers.get(server_id)
             if member is not None and epoch > member.synced_epoch:
                 self._servers[server_id] = replace(member, synced_epoch=epoch)
+
+    def mark_told_to_stop(self, server_id: str) -> None:
+        with self._lock:
+            member = self._servers.get(server_id)
+            if member is not None:
+                self._servers[server_id] = replace(member, told_to_stop=True)
 
     def live_servers(self) -> list[ServerMember]:
         now = self._clock.monotonic()

@@ -1,0 +1,150 @@
+"""The training job: what every worker runs. Given to ps-coordinator / ps-cluster as flags
+or as a YAML/JSON file with the same keys; validated once, at start, with errors that name
+the field. Pure: no grpc."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+OPTIMIZER_NAMES = ("sgd", "momentum", "adagrad", "adam")
+MODES = ("async",)
+
+
+class JobError(ValueError):
+    """A job field is wrong; the message names the field (and the file, if any)."""
+
+    def __init__(self, message: str, *, field: str | None = None, problem: str = ""):
+        super().__init__(message)
+        self.field = field
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    model: str = "mlp"
+    hidden: tuple[int, ...] = (64,)
+    data: str = "digits"
+    epochs: int = 10
+    batch_size: int = 32
+    optimizer: str = "adam"
+    lr: float = 0.005
+    mode: str = "async"
+    seed: int = 0
+    tasks_per_epoch: int = 8
+
+    def __post_init__(self):
+        def need(ok: bool, field: str, want: str):
+            if not ok:
+                problem = f"{getattr(self, field)!r} {want}"
+                raise JobError(f"job field {field!r}: {problem}", field=field, problem=problem)
+
+        need(isinstance(self.model, str) and bool(self.model), "model",
+             "must be 'logreg', 'mlp' or 'module:attribute'")
+        need(all(isinstance(h, int) and h > 0 for h in self.hidden), "hidden",
+             "must be positive integers, e.g. 128,64")
+        need(isinstance(self.data, str) and bool(self.data), "data",
+             "must be 'digits', 'synthetic' or a path to an .npz file")
+        need(isinstance(self.epochs, int) and self.epochs >= 1, "epochs", "must be an integer >= 1")
+        need(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size",
+             "must be an integer >= 1")
+        need(self.optimizer in OPTIMIZER_NAMES, "optimizer", f"must be one of {OPTIMIZER_NAMES}")
+        need(isinstance(self.lr, (int, float)) and self.lr > 0, "lr", "must be a number > 0")
+        need(self.mode in MODES, "mode",
+             f"must be one of {MODES} (ssp and sync come with the consistency issue)")
+        need(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an integer >= 0")
+        need(isinstance(self.tasks_per_epoch, int) and self.tasks_per_epoch >= 1,
+             "tasks_per_epoch", "must be an integer >= 1")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "job") -> "JobSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        normalized = {str(k).replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(normalized) - known)
+        if unknown:
+            raise JobError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "hidden" in normalized:
+            normalized["hidden"] = _parse_hidden(normalized["hidden"], source)
+        try:
+            return cls(**normalized)
+        except JobError as error:
+            raise JobError(f"{source}: {error}", field=error.field, problem=error.problem) from None
+
+    @classmethod
+    def from_file(cls, path: str) -> "JobSpec":
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise JobError(f"--job {path}: cannot read it: {error.strerror}") from None
+        try:
+            values = yaml.safe_load(text)  # YAML is a superset of JSON
+        except yaml.YAMLError as error:
+            raise JobError(f"--job {path}: not valid YAML/JSON: {error}") from None
+        if not isinstance(values, dict):
+            raise JobError(f"--job {path}: must hold a mapping of job fields")
+        return cls.from_mapping(values, source=f"--job {path}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobSpec":
+        return cls.from_mapping(json.loads(text))
+
+
+def _parse_hidden(value: Any, source: str) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, str):
+        try:
+            return tuple(int(v) for v in value.split(",") if v.strip())
+        except ValueError:
+            raise JobError(f"{source}: job field 'hidden': {value!r} is not like 128,64",
+                           field="hidden", problem=f"{value!r} is not like 128,64") from None
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise JobError(f"{source}: job field 'hidden': {value!r} is not like 128,64")
+
+
+# ---- command line ------------------------------------------------------------------------
+
+JOB_FLAGS = ("model", "hidden", "data", "epochs", "batch_size", "optimizer", "lr", "mode",
+             "seed", "tasks_per_epoch")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The job flags; any of them (or --job) gives the coordinator a job to run."""
+    g = parser.add_argument_group("job (any of these gives the coordinator a job; defaults: "
+                                  "the MLP on the digits data set)")
+    g.add_argument("--job", metavar="FILE", help="YAML or JSON file with the job fields below")
+    g.add_argument("--model", help="logreg | mlp | module:attribute (default mlp)")
+    g.add_argument("--hidden", help="hidden layer sizes of the mlp, e.g. 128,64 (default 64)")
+    g.add_argument("--data", help="digits | synthetic | PATH.npz (default digits)")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--optimizer", help=f"one of {', '.join(OPTIMIZER_NAMES)} (default adam)")
+    g.add_argument("--lr", type=float)
+    g.add_argument("--mode", help="consistency mode: async (default)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--tasks-per-epoch", type=int)
+
+
+def job_from_args(args: argparse.Namespace) -> JobSpec | None:
+    """The job the flags describe (file first, flags override), or None if none was given."""
+    given = {k: getattr(args, k) for k in JOB_FLAGS if getattr(args, k, None) is not None}
+    if args.job is None and not given:
+        return None
+    base = JobSpec.from_file(args.job) if args.job else JobSpec()
+    values = {**dataclasses.asdict(base), **given}
+    try:
+        return JobSpec.from_mapping(values, source="job flags")
+    except JobError as error:
+        if error.field in given:  # name the flag as the user typed it
+            raise JobError(f"--{error.field.replace('_', '-')}: {error.problem}") from None
+        raise

@@ -1,0 +1,58 @@
+"""`ps-worker`: a generic training worker. It needs only the coordinator's address: the job
+(model, data, optimizer, epochs, ...) comes from the coordinator when it registers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from ps_common.cli import parse_address, setup_logging
+from ps_common.job import JobError
+from ps_common.status import RemoteError
+from ps_worker.backend import BackendUnavailable
+from ps_worker.coordinator_client import CoordinatorUnreachable
+from ps_worker.runtime import Worker, WorkerConfig
+
+log = logging.getLogger("ps-worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ps-worker", description="Train on a paramserve cluster.")
+    p.add_argument("--coordinator", required=True, type=parse_address, help="coordinator HOST:PORT")
+    p.add_argument("--device", default="auto",
+                   help="auto (CuPy on a GPU if present, else NumPy) | cpu | cuda:N")
+    p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID)")
+    p.add_argument("--coordinator-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="give up when the coordinator is unreachable this long (default 30)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    if args.device != "auto" and args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device {args.device!r}: expected auto, cpu or cuda:N")
+    worker = Worker(WorkerConfig(coordinator=args.coordinator, device=args.device,
+                                 worker_id=args.worker_id,
+                                 coordinator_timeout_s=args.coordinator_timeout))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: worker.request_stop())
+    try:
+        return worker.run()
+    except BackendUnavailable as error:
+        print(f"ps-worker: --device {args.device}: {error}", file=sys.stderr)
+    except CoordinatorUnreachable as error:
+        print(f"ps-worker: --coordinator {args.coordinator}: {error}", file=sys.stderr)
+    except (JobError, ValueError) as error:
+        print(f"ps-worker: the job cannot run here: {error}", file=sys.stderr)
+    except RemoteError as error:
+        print(f"ps-worker: {error}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,267 @@
+"""`ps-cluster`: a whole cluster on 127.0.0.1, one command.
+
+Starts a coordinator (with the job), S servers and W workers as child processes, shows
+progress, stops every child it started on exit or Ctrl-C, and prints as its last line a JSON
+object with the outcome. It starts processes by module name and reads the coordinator's
+status over gRPC: it imports none of the daemons' internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
+from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
+
+READY_TIMEOUT_S = 60.0
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class Child:
+    """One child process with its output in `log_dir/name.log`."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)  # Ctrl-C reaches ps-cluster only; it stops children itself
+
+    def wait_for_address(self, deadline: float) -> str:
+        """The HOST:PORT from the child's 'listening on HOST:PORT' line."""
+        while time.monotonic() < deadline:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if " listening on " in line:
+                    return line.rsplit(" ", 1)[-1]
+            if self.process.poll() is not None:
+                raise ClusterError(f"{self.name} exited with {self.process.returncode} before "
+                                   f"it was ready; see {self.log_path}")
+            time.sleep(0.05)
+        raise ClusterError(f"{self.name} was not ready within {READY_TIMEOUT_S:g} s; "
+                           f"see {self.log_path}")
+
+    def stop(self, grace_s: float) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5.0)
+        self._log.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+
+class Progress:
+    """A bar per epoch on a terminal; plain lines (one per finished epoch) otherwise."""
+
+    def __init__(self, stream, epochs: int):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.epochs = epochs
+        self.reported: set[int] = set()
+        self._last_steps = (0, time.monotonic())
+        self._rate = 0.0
+
+    def update(self, status: dict) -> None:
+        job = status["job"]
+        now = time.monotonic()
+        steps, then = self._last_steps
+        if now - then >= 0.5:
+            self._rate = (job["steps"] - steps) / (now - then)
+            self._last_steps = (job["steps"], now)
+        for m in job["metrics"]:
+            if m["test_accuracy"] is not None and m["epoch"] not in self.reported:
+                self.reported.add(m["epoch"])
+                self._line(f"epoch {m['epoch']}/{self.epochs}  loss {m['loss']:.4f}  "
+                           f"accuracy {m['accuracy']:.4f}  held-out accuracy "
+                           f"{m['test_accuracy']:.4f}  steps {job['steps']}")
+        if self.tty and job["state"] == "running":
+            per_epoch = job["tasks_total"] // max(1, job["epochs"])
+            done_in_epoch = job["tasks_done"] - per_epoch * (job["epoch"] - 1)
+            width = 30
+            filled = int(width * max(0, min(done_in_epoch, per_epoch)) / max(1, per_epoch))
+            current = job["metrics"][-1] if job["metrics"] else None
+            loss = f"loss {current['loss']:.4f}  acc {current['accuracy']:.4f}  " if (
+                current and current["examples"]) else ""
+            alive = sum(w["state"] == "alive" for w in status["workers"])
+            self.stream.write(f"\repoch {job['epoch']}/{job['epochs']} [{'#' * filled}"
+                              f"{'.' * (width - filled)}] {loss}{self._rate:6.0f} steps/s  "
+                              f"workers {alive} ")
+            self.stream.flush()
+
+    def _line(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        self._line(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ps-cluster", description="Run a coordinator, S servers and W workers on "
+        "127.0.0.1 and train the job (default: an MLP on the digits data set).")
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="workers' --device (default cpu)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--split-threshold", default="64MiB")
+    p.add_argument("--keep-serving", action="store_true",
+                   help="keep the coordinator and servers up after the job (until Ctrl-C)")
+    p.add_argument("--log-dir", help="where children's logs go (default: a new temp dir)")
+    add_job_arguments(p)
+    return p
+
+
+def _python(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.servers < 1:
+        parser.error(f"--servers {args.servers}: need at least 1")
+    if args.workers < 0:
+        parser.error(f"--workers {args.workers}: must be >= 0")
+    try:
+        job = job_from_args(args) or JobSpec()
+        _check_job_runs_here(job)
+    except JobError as error:
+        parser.error(str(error))
+    except ValueError as error:
+        parser.error(f"the job cannot run: {error}")
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ps-cluster-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    job_file = log_dir / "job.json"
+    job_file.write_text(job.to_json())
+    progress = Progress(sys.stdout, job.epochs)
+    children: list[Child] = []
+    interrupted = False
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    started = time.monotonic()
+    outcome = {"state": "failed"}
+    try:
+        hb = ["--heartbeat-interval", str(args.heartbeat_interval)]
+        coordinator = Child("coordinator", _python(
+            "ps_server.coordinator.cli", "--port", "0", "--job", str(job_file), *hb,
+            "--heartbeat-timeout", str(args.heartbeat_timeout),
+            "--split-threshold", args.split_threshold,
+            *(["--keep-serving"] if args.keep_serving else [])), log_dir)
+        children.append(coordinator)
+        address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
+        progress.note(f"coordinator on {address}; logs in {log_dir}")
+        servers = [Child(f"server-{i}", _python(
+            "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}", "--coordinator", address,
+            *hb), log_dir) for i in range(args.servers)]
+        children += servers
+        for server in servers:
+            server.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
+        workers = [Child(f"worker-{i}", _python(
+            "ps_worker.cli", "--coordinator", address, "--worker-id", f"worker-{i}",
+            "--device", args.device), log_dir) for i in range(args.workers)]
+        children += workers
+        progress.note(f"{args.servers} server(s), {args.workers} worker(s): training "
+                      f"{job.model} on {job.data} for {job.epochs} epoch(s)")
+        outcome = _monitor(address, coordinator, workers, progress, args.keep_serving)
+    except KeyboardInterrupt:
+        interrupted = True
+        outcome = {"state": "interrupted"}
+    except (ClusterError, CoordinatorUnreachable) as error:
+        progress.note(f"ps-cluster: {error}")
+        outcome = {"state": "failed", "error": str(error)}
+    finally:
+        # After a job that ended on the coordinator, children exit by themselves: give them
+        # time to. After an interrupt or an error, stop them at once.
+        ended_normally = outcome.get("state") in ("done", "failed") and "error" not in outcome
+        exits = _stop_all(children, args.heartbeat_timeout + 10.0 if ended_normally else 0.0)
+    outcome.update({"elapsed_s": round(time.monotonic() - started, 3), "exit_codes": exits,
+                    "log_dir": str(log_dir)})
+    print(json.dumps(outcome), flush=True)
+    if interrupted:
+        return 130
+    clean = all(code == 0 for code in exits.values())
+    return 0 if outcome["state"] == "done" and clean else 1
+
+
+def _check_job_runs_here(job: JobSpec) -> None:
+    """Load the data and build the model once, so a bad job fails before anything starts."""
+    from ps_worker.data import load_dataset
+    from ps_worker.models import build_model
+
+    dataset = load_dataset(job.data, seed=job.seed)
+    build_model(job.model, num_features=dataset.num_features,
+                num_classes=dataset.num_classes, hidden=job.hidden)
+
+
+def _monitor(address: str, coordinator: Child, workers: list[Child], progress: Progress,
+             keep_serving: bool) -> dict:
+    with CoordinatorClient(address, give_up_after_s=10.0) as client:
+        while True:
+            if coordinator.returncode is not None:
+                raise ClusterError(f"the coordinator exited with {coordinator.returncode} "
+                                   f"before the job ended; see {coordinator.log_path}")
+            status = client.status()
+            progress.update(status)
+            state = status["job"]["state"]
+            if state in ("done", "failed"):
+                break
+            if workers and all(w.returncode is not None for w in workers):
+                raise ClusterError("every worker exited before the job ended; see "
+                                   f"{workers[0].log_path}")
+            time.sleep(0.25)
+    job = status["job"]
+    last = job["metrics"][-1] if job["metrics"] else {}
+    outcome = {
+        "state": state, "epochs": job["epoch"], "steps": job["steps"],
+        "loss": last.get("loss"), "accuracy": last.get("test_accuracy"),
+        "test_loss": last.get("test_loss"), "train_accuracy": last.get("accuracy"),
+        "job_elapsed_s": job["elapsed_s"],
+        "steps_per_s": round(job["steps"] / job["elapsed_s"], 1) if job["elapsed_s"] else None,
+        "workers_dead": [w["id"] for w in status["workers"] if w["state"] == "dead"],
+    }
+    if job.get("failure"):
+        outcome["failure"] = job["failure"]
+    if keep_serving:
+        progress.note(f"job {state}; servers keep serving on {address} (Ctrl-C to stop)")
+        while coordinator.returncode is None:
+            time.sleep(0.5)
+    return outcome
+
+
+def _stop_all(children: list[Child], wait_s: float) -> dict[str, int | None]:
+    """Let children that are finishing exit by themselves (bounded), then stop the rest:
+    workers first, then servers, then the coordinator."""
+    deadline = time.monotonic() + wait_s
+    while any(c.returncode is None for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for child in reversed(children):
+        child.stop(grace_s=5.0)
+    return {c.name: c.returncode for c in children}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The worker's and ps-ctl's view of the coordinator's control plane, as plain values.
+
+Every call has a deadline; UNAVAILABLE is retried with backoff for a bounded time, after
+which `CoordinatorUnreachable` names the address.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from ps_common.job import JobSpec
+from ps_common.rpc import RetryPolicy, call_with_retry, make_channel
+from ps_common.status import RemoteError
+from ps_proto.v1 import coordinator_pb2 as pb
+from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
+
+
+class CoordinatorUnreachable(ConnectionError):
+    def __init__(self, address: str, seconds: float, cause: RemoteError):
+        super().__init__(
+            f"cannot reach the coordinator at {address} (gave up after about {seconds:g} s: "
+            f"{cause.code().name}); check --coordinator and that ps-coordinator is running")
+        self.address = address
+
+
+@dataclass(frozen=True)
+class LeasedTask:
+    task_id: int
+    kind: str  # "train" | "evaluate"
+    epoch: int
+    index: int
+    tasks_per_epoch: int
+
+
+@dataclass(frozen=True)
+class Registration:
+    incarnation: int
+    job: JobSpec | None
+    heartbeat_interval_s: float
+
+
+_ACTIONS = {pb.CONTINUE: "continue", pb.REREGISTER: "reregister", pb.STOP: "stop"}
+
+
+class CoordinatorClient:
+    """Thread-safe (one channel, stateless calls)."""
+
+    def __init__(self, address: str, *, give_up_after_s: float = 30.0, rpc_timeout_s: float = 10.0):
+        self.address = address
+        self._give_up_after_s = give_up_after_s
+        self._timeout = rpc_timeout_s
+        self._channel = make_channel(address)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        # ~give_up_after_s of jittered backoff capped at 1 s per try.
+        self._retry = RetryPolicy(max_attempts=max(2, int(give_up_after_s / 0.75) + 1),
+                                  initial_backoff_s=0.1, max_backoff_s=1.0)
+
+    def _call(self, method: str, request):
+        rpc = getattr(self._stub, method)
+        try:
+            return call_with_retry(lambda: rpc(request, timeout=self._timeout),
+                                   target=self.address, policy=self._retry)
+        except RemoteError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise CoordinatorUnreachable(self.address, self._give_up_after_s, error) from None
+            raise
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "CoordinatorClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def register_worker(self, worker_id: str) -> Registration:
+        reply = self._call("RegisterWorker", pb.RegisterWorkerRequest(worker_id=worker_id))
+        job = JobSpec.from_json(reply.job_json) if reply.job_json else None
+        return Registration(reply.incarnation, job, reply.heartbeat_interval_ms / 1000.0)
+
+    def heartbeat(self, worker_id: str, incarnation: int) -> str:
+        """'continue' | 'reregister' | 'stop'."""
+        reply = self._call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
+            worker_id=worker_id, incarnation=incarnation))
+        return _ACTIONS.get(reply.action, "continue")
+
+    def lease(self, worker_id: str, incarnation: int):
+        """('task', LeasedTask) | ('wait', seconds) | ('done', None) | ('reregister', None)."""
+        reply = self._call("LeaseTask", pb.LeaseTaskRequest(
+            worker_id=worker_id, incarnation=incarnation))
+        if reply.reregister:
+            return "reregister", None
+        outcome = reply.WhichOneof("outcome")
+        if outcome == "task":
+            t = reply.task
+            kind = "train" if t.kind == pb.TRAIN else "evaluate"
+            return "task", LeasedTask(t.task_id, kind, t.epoch, t.index, t.tasks_per_epoch)
+        if outcome == "job_done":
+            return "done", None
+        return "wait", reply.retry_after_ms / 1000.0
+
+    def complete(self, worker_id: str, incarnation: int, task_id: int, *, loss_sum: float,
+                 examples: int, correct: int, steps: int, seconds: float) -> bool:
+        """Report a task done; True if it had been reported already."""
+        reply = self._call("CompleteTask", pb.CompleteTaskRequest(
+            worker_id=worker_id, incarnation=incarnation, task_id=task_id,
+            metrics=pb.TaskMetrics(loss_sum=loss_sum, examples=examples, correct=correct,
+                                   steps=steps, seconds=seconds)))
+        return reply.duplicate
+
+    def status(self) -> dict:
+        """The cluster status as JSON-ready data (what `ps-ctl status --json` prints)."""
+        s = self._call("GetStatus", pb.GetStatusRequest())
+        job = s.job
+        return {
+            "job": {
+                "state": job.state, "epoch": job.epoch, "epochs": job.epochs,
+                "tasks_done": job.tasks_done, "tasks_total": job.tasks_total,
+                "steps": job.steps, "elapsed_s": round(job.elapsed_s, 3),
+                "failure": job.failure,
+                "spec": JobSpec.from_json(job.job_json).__dict__ if job.job_json else None,
+                "metrics": [
+                    {"epoch": m.epoch, "loss": m.loss, "accuracy": m.accuracy,
+                     "test_loss": m.test_loss if m.evaluated else None,
+                     "test_accuracy": m.test_accuracy if m.evaluated else None,
+                     "steps": m.steps, "examples": m.examples}
+                    for m in job.metrics
+                ],
+            },
+            "workers": [
+                {"id": w.worker_id, "incarnation": w.incarnation, "state": w.state,
+                 "heartbeat_age_s": round(w.heartbeat_age_s, 3), "reason": w.reason,
+                 "died_at_s": round(w.died_at_s, 3) if w.state == "dead" else None,
+                 "tasks_done": w.tasks_done, "steps": w.steps,
+                 "leased_tasks": list(w.leased_tasks)}
+                for w in s.workers
+            ],
+            "servers": [
+                {"id": v.server_id, "address": v.address, "state": v.state,
+                 "heartbeat_age_s": round(v.heartbeat_age_s, 3), "bytes": v.bytes,
+                 "shards": v.shards, "synced_epoch": v.synced_epoch}
+                for v in s.servers
+            ],
+            "shard_map_epoch": s.shard_map_epoch,
+        }

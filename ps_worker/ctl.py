@@ -1,0 +1,85 @@
+"""`ps-ctl`: look at a running cluster.
+
+    ps-ctl --coordinator HOST:PORT status [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ps_common.cli import parse_address
+from ps_common.status import RemoteError
+from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(status: dict) -> str:
+    """The status as a human-readable report."""
+    job = status["job"]
+    lines = [f"job: {job['state']}  epoch {job['epoch']}/{job['epochs']}  "
+             f"tasks {job['tasks_done']}/{job['tasks_total']}  steps {job['steps']}  "
+             f"elapsed {job['elapsed_s']:.1f} s  shard map epoch {status['shard_map_epoch']}"]
+    if job.get("failure"):
+        lines.append(f"  failure: {job['failure']}")
+    if job["metrics"]:
+        lines.append("  epoch   loss     accuracy  test_loss  test_accuracy  steps")
+        for m in job["metrics"]:
+            lines.append(f"  {m['epoch']:>5}   {_fmt(m['loss'])}   {_fmt(m['accuracy'])}    "
+                         f"{_fmt(m['test_loss'])}     {_fmt(m['test_accuracy'])}         "
+                         f"{m['steps']}")
+    lines.append(f"workers ({len(status['workers'])}):")
+    for w in status["workers"]:
+        extra = f"  {w['reason']}" if w["reason"] else ""
+        lines.append(f"  {w['id']:<24} {w['state']:<6} incarnation {w['incarnation']:<3} "
+                     f"heartbeat {w['heartbeat_age_s']:.1f} s ago  tasks {w['tasks_done']}  "
+                     f"steps {w['steps']}{extra}")
+    lines.append(f"servers ({len(status['servers'])}):")
+    for s in status["servers"]:
+        lines.append(f"  {s['id']:<12} {s['address']:<22} {s['state']:<6} "
+                     f"{s['shards']} shard(s) {_bytes(s['bytes'])}  "
+                     f"heartbeat {s['heartbeat_age_s']:.1f} s ago")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ps-ctl", description="Inspect a paramserve cluster.")
+    p.add_argument("--coordinator", required=True, type=parse_address, help="coordinator HOST:PORT")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="give up when the coordinator does not answer within this time")
+    sub = p.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="members, shards, job progress and metrics")
+    status.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with CoordinatorClient(args.coordinator, give_up_after_s=args.timeout,
+                               rpc_timeout_s=args.timeout) as coordinator:
+            status = coordinator.status()
+    except CoordinatorUnreachable as error:
+        print(f"ps-ctl: --coordinator {args.coordinator}: {error}", file=sys.stderr)
+        return 1
+    except RemoteError as error:
+        print(f"ps-ctl: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else render(status))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

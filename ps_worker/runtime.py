@@ -1,0 +1,235 @@
+"""The worker runtime: register, fetch the job, lease tasks, train, report; survive fencing.
+
+A worker holds nothing that must survive: if it dies, the coordinator notices the missed
+heartbeats and hands its task to another worker. Task semantics are at-least-once (a task
+whose worker died after pushing some gradients is run again, as in TF's
+ParameterServerStrategy); pushes within a task are exactly-once.
+
+The step loop overlaps communication and compute: the next step's pull is in flight while
+this step's gradient is computed, and pushes go out in the background (bounded window).
+Pulled bytes land in reusable host buffers (pinned on a GPU) and move to the device
+asynchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ps_common.job import JobSpec
+from ps_common.shardmap import Component, VariableSpec
+from ps_worker.backend import ArrayBackend, select_backend
+from ps_worker.client import PSClient
+from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable, LeasedTask
+from ps_worker.data import Dataset, iter_batches, load_dataset, task_indices
+from ps_worker.models import build_model
+
+log = logging.getLogger("ps-worker")
+
+
+class JobOver(Exception):
+    """The coordinator says the job is over (or the worker was asked to stop)."""
+
+
+class Fenced(Exception):
+    """This incarnation was declared dead; the worker registers again."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    coordinator: str
+    device: str = "auto"
+    worker_id: str | None = None
+    # How long the coordinator may stay unreachable (at start, or during training) before
+    # the worker gives up with an error naming its address.
+    coordinator_timeout_s: float = 30.0
+    max_in_flight_pushes: int = 2
+
+
+@dataclass
+class TaskResult:
+    loss_sum: float = 0.0
+    examples: int = 0
+    correct: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def variable_specs(model, job: JobSpec) -> list[VariableSpec]:
+    """The model's variables as the servers hold them, with the job's optimizer."""
+    optimizer = Component.of({"name": job.optimizer, "lr": job.lr})
+    return [
+        VariableSpec(name=v.name, shape=tuple(v.shape), dtype="float32",
+                     initializer=Component.of(v.init_spec()), optimizer=optimizer,
+                     seed=job.seed + v.seed)
+        for v in model.variables()
+    ]
+
+
+class Trainer:
+    """Runs tasks of one job against one PSClient. Not thread-safe: one per worker."""
+
+    def __init__(self, job: JobSpec, dataset: Dataset, model, backend: ArrayBackend):
+        self.job = job
+        self.dataset = dataset
+        self.model = model
+        self.backend = backend
+        self.specs = variable_specs(model, job)
+        self.names = [s.name for s in self.specs]
+
+    def _buffers(self, slot: int) -> dict[str, np.ndarray]:
+        return {s.name: self.backend.host_buffer(f"{s.name}#{slot}", s.shape, np.float32)
+                for s in self.specs}
+
+    def _on_device(self, host: dict[str, np.ndarray]) -> dict:
+        return {n: self.backend.to_device(a) for n, a in host.items()}
+
+    def train(self, ps: PSClient, task: LeasedTask, should_stop) -> TaskResult:
+        started = time.monotonic()
+        indices = task_indices(self.dataset.num_train, epoch=task.epoch, task_index=task.index,
+                               tasks_per_epoch=task.tasks_per_epoch, seed=self.job.seed)
+        batches = list(iter_batches(self.dataset, indices, self.job.batch_size))
+        result = TaskResult()
+        # Two host buffer sets: step i reads one while the pull for step i + 1 fills the other.
+        upcoming = ps.pull_async(self.names, out=self._buffers(0))
+        for step, (x, y) in enumerate(batches):
+            if should_stop():
+                break
+            host = upcoming.result()
+            if step + 1 < len(batches):
+                upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
+            params = self._on_device(host)
+            loss, grads = self.model.loss_and_grads(params, (x, y))
+            if hasattr(self.model, "evaluate"):
+                _, correct = self.model.evaluate(params, (x, y))
+                result.correct += int(correct)
+            host_grads = {n: self.backend.to_host(g) for n, g in grads.items()}
+            self.backend.synchronize()
+            ps.push_async(host_grads)
+            result.loss_sum += float(loss) * len(y)
+            result.examples += len(y)
+            result.steps += 1
+        ps.flush()  # the task counts as done only once its updates have landed
+        result.seconds = time.monotonic() - started
+        return result
+
+    def evaluate(self, ps: PSClient) -> TaskResult:
+        started = time.monotonic()
+        params = self._on_device(ps.pull(self.names, out=self._buffers(0)))
+        result = TaskResult()
+        indices = np.arange(self.dataset.num_test)
+        for x, y in iter_batches(self.dataset, indices, 1024, split="test"):
+            loss_sum, correct = self.model.evaluate(params, (x, y))
+            result.loss_sum += float(loss_sum)
+            result.correct += int(correct)
+            result.examples += len(y)
+        result.seconds = time.monotonic() - started
+        return result
+
+
+class Worker:
+    """One ps-worker process's life: returns its exit status from `run()`."""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._coordinator = CoordinatorClient(
+            config.coordinator, give_up_after_s=config.coordinator_timeout_s)
+        self._stop = threading.Event()
+        self._fenced = threading.Event()
+        self._job_over = threading.Event()
+        self._incarnation = 0
+        self.lost_coordinator: Exception | None = None
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        registration = self._coordinator.register_worker(self.worker_id)
+        if registration.job is None:
+            log.error("the coordinator at %s has no job to run (start it with job flags or "
+                      "--job FILE)", self.config.coordinator)
+            return 1
+        job = registration.job
+        self._incarnation = registration.incarnation
+        backend = select_backend(self.config.device, log=log.info)
+        dataset = load_dataset(job.data, seed=job.seed)
+        model = build_model(job.model, num_features=dataset.num_features,
+                            num_classes=dataset.num_classes, hidden=job.hidden)
+        trainer = Trainer(job, dataset, model, backend)
+        log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
+                 self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)
+        heartbeat = threading.Thread(
+            target=self._heartbeat_loop, args=(registration.heartbeat_interval_s,),
+            name=f"ps-worker-{self.worker_id}-heartbeat", daemon=True)
+        heartbeat.start()
+        try:
+            while True:
+                try:
+                    self._serve_incarnation(trainer)
+                    return 1 if self.lost_coordinator else 0
+                except Fenced:
+                    self._fenced.clear()
+                    self._incarnation = self._coordinator.register_worker(
+                        self.worker_id).incarnation
+                    log.warning("this worker was declared dead; re-registered as incarnation %d",
+                                self._incarnation)
+        finally:
+            self._stop.set()
+            heartbeat.join(timeout=5.0)
+            self._coordinator.close()
+
+    def _serve_incarnation(self, trainer: Trainer) -> None:
+        """Lease and run tasks until the job is over; raises Fenced to re-register."""
+        with PSClient(self.config.coordinator, client_id=self.worker_id,
+                      incarnation=self._incarnation,
+                      max_in_flight_pushes=self.config.max_in_flight_pushes) as ps:
+            ps.declare_many(trainer.specs)
+            while True:
+                if self._stop.is_set() or self._job_over.is_set():
+                    return
+                if self._fenced.is_set():
+                    raise Fenced()
+                outcome, task = self._coordinator.lease(self.worker_id, self._incarnation)
+                if outcome == "done":
+                    log.info("the job is over")
+                    return
+                if outcome == "reregister":
+                    raise Fenced()
+                if outcome == "wait":
+                    self._stop.wait(task)
+                    continue
+                result = (trainer.train(ps, task, self._interrupted) if task.kind == "train"
+                          else trainer.evaluate(ps))
+                if self._interrupted():
+                    continue
+                self._coordinator.complete(
+                    self.worker_id, self._incarnation, task.task_id,
+                    loss_sum=result.loss_sum, examples=result.examples, correct=result.correct,
+                    steps=result.steps, seconds=result.seconds)
+                log.info("task %d (%s, epoch %d) done: %d steps, loss %.4f", task.task_id,
+                         task.kind, task.epoch, result.steps,
+                         result.loss_sum / max(1, result.examples))
+
+    def _interrupted(self) -> bool:
+        return self._stop.is_set() or self._fenced.is_set() or self._job_over.is_set()
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                action = self._coordinator.heartbeat(self.worker_id, self._incarnation)
+            except CoordinatorUnreachable as error:
+                log.error("%s", error)
+                self.lost_coordinator = error
+                self._stop.set()
+                return
+            if action == "reregister":
+                self._fenced.set()
+            elif action == "stop":
+                self._job_over.set()
