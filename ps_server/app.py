@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -24,7 +25,10 @@ SERVICE_NAME = "ps.v1.ParameterServer"
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
-    server_id: str | None = None  # default: the bound address
+    server_id: str | None = None  # default: the advertised address
+    # The address workers and the coordinator use to reach this server. Default: the bound
+    # address, or HOSTNAME:PORT when bound to all interfaces (containers, pods).
+    advertise_address: str | None = None
     coordinator: str | None = None
     memory_budget_bytes: int = 0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -48,6 +52,12 @@ class ServerConfig:
             raise ValueError("--heartbeat-interval must be > 0")
 
 
+def advertised_address(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        return f"{socket.gethostname()}:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ParameterServer:
     """A running ps-server. Start with `start()` (or `with`); `stop()` is graceful.
 
@@ -67,7 +77,8 @@ class ParameterServer:
                 servicer, s),
             interceptors=interceptors, max_workers=config.max_workers,
         )
-        self.address, self.port = self._daemon.address, self._daemon.port
+        self.bound_address, self.port = self._daemon.address, self._daemon.port
+        self.address = config.advertise_address or advertised_address(config.host, self.port)
         self.server_id = config.server_id or self.address
         self._stop = threading.Event()
         self._membership: threading.Thread | None = None

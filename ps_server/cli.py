@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 = any free port")
+    p.add_argument("--advertise-address", type=parse_address, metavar="HOST:PORT",
+                   help="address others use to reach this server (default: the bound address, "
+                   "or HOSTNAME:PORT when --host is 0.0.0.0)")
     p.add_argument("--server-id", help="stable id of this server (default: its address); a "
                    "restarted server must keep its id")
     p.add_argument("--coordinator", type=parse_address, help="coordinator HOST:PORT to register with")
@@ -40,6 +43,7 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     try:
         return ServerConfig(
             host=args.host, port=args.port, server_id=args.server_id,
+            advertise_address=args.advertise_address,
             coordinator=args.coordinator, memory_budget_bytes=args.memory_budget,
             chunk_bytes=args.chunk_bytes, allow_non_finite=args.allow_non_finite,
             grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval)
@@ -58,7 +62,9 @@ def server_main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"ps-server: --host/--port: {error}", file=sys.stderr)
         return 1
-    print(f"ps-server {server.server_id} listening on {server.address}", flush=True)
+    print(f"ps-server {server.server_id} listening on {server.bound_address}", flush=True)
+    if server.address != server.bound_address:
+        log.info("advertising %s to the coordinator", server.address)
     code = run_until_signal(server.stop, server.wait)
     log.info("stopped")
     return code
