@@ -4,6 +4,7 @@ running a daemon until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
+import decimal
 import logging
 import re
 import signal
@@ -21,7 +22,7 @@ def parse_bytes(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4096, 64MiB or 2GB")
     unit = (match.group(2) or "").lower().rstrip("b")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(decimal.Decimal(match.group(1)) * _UNITS[unit])
 
 
 def parse_address(text: str) -> str:

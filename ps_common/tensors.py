@@ -174,6 +174,14 @@ def iter_chunks(sizes: Sequence[int], readers: Sequence[ByteReader], chunk_bytes
         yield parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def _byte_view(buffer) -> memoryview:
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise ValueError("destination arrays must be C-contiguous")
+        return memoryview(buffer.reshape(-1).view(np.uint8))
+    return memoryview(buffer).cast("B")
+
+
 class StreamAssembler:
     """Writes an incoming chunked byte stream into per-tensor destination buffers.
 
@@ -182,7 +190,7 @@ class StreamAssembler:
     """
 
     def __init__(self, destinations: Sequence, *, what: str):
-        self._dest = [memoryview(d).cast("B") for d in destinations]
+        self._dest = [_byte_view(d) for d in destinations]
         self._what = what
         self._tensor = 0
         self._offset = 0

@@ -82,14 +82,21 @@ class ShardOptimizerState:
     steps: int = 0
 
 
+def compute_dtype(stored: str) -> np.dtype:
+    """float16 variables are updated (and their slots kept) in float32: in float16, eps
+    rounds to 0 and squared gradients underflow, which turns adam's update into NaN/inf."""
+    return np.dtype(np.float32) if np.dtype(stored) == np.float16 else np.dtype(stored)
+
+
 def make_state(spec: VariableSpec, shape: tuple[int, ...]) -> ShardOptimizerState:
     knobs = resolve_knobs(spec)
+    dtype = compute_dtype(spec.dtype)
     slots = {}
     for slot in SLOTS[spec.optimizer.name]:
         if spec.optimizer.name == "adagrad":
-            slots[slot] = np.full(shape, knobs["initial_accumulator"], dtype=spec.dtype)
+            slots[slot] = np.full(shape, knobs["initial_accumulator"], dtype=dtype)
         else:
-            slots[slot] = np.zeros(shape, dtype=spec.dtype)
+            slots[slot] = np.zeros(shape, dtype=dtype)
     return ShardOptimizerState(slots)
 
 
@@ -102,7 +109,9 @@ def apply_update(
     w = values.reshape(-1)
     g = grad.reshape(-1)
     slots = {k: v.reshape(-1) for k, v in state.slots.items()}
-    scratch = np.empty(min(BLOCK_ELEMENTS, w.size), dtype=w.dtype)
+    dtype = compute_dtype(spec.dtype)
+    widen = dtype != w.dtype
+    scratch = np.empty(min(BLOCK_ELEMENTS, w.size), dtype=dtype)
     kind = spec.optimizer.name
     step = _STEPS[kind]
     constants = _constants(kind, knobs, state.steps)
@@ -110,10 +119,14 @@ def apply_update(
     for start in range(0, w.size, BLOCK_ELEMENTS):
         stop = min(start + BLOCK_ELEMENTS, w.size)
         wb, gb, sb = w[start:stop], g[start:stop], scratch[:stop - start]
+        if widen:  # block-sized float32 copies, written back below
+            wb, gb = wb.astype(dtype), gb.astype(dtype)
         if wd:
             np.multiply(wb, wd, out=sb)
             gb += sb
         step(wb, gb, sb, {k: v[start:stop] for k, v in slots.items()}, constants)
+        if widen:
+            w[start:stop] = wb
 
 
 def _constants(kind: str, knobs: dict[str, float], t: int) -> dict[str, float]:

@@ -14,6 +14,7 @@ import filecmp
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -25,8 +26,12 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 def _generate(out_dir: Path) -> None:
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
+    # The mypy plugins come from this interpreter's environment, not from whatever PATH has.
+    scripts = Path(sysconfig.get_path("scripts"))
     cmd = [
         sys.executable, "-m", "grpc_tools.protoc",
+        f"--plugin=protoc-gen-mypy={scripts / 'protoc-gen-mypy'}",
+        f"--plugin=protoc-gen-mypy_grpc={scripts / 'protoc-gen-mypy_grpc'}",
         f"-I{PROTO_ROOT}",
         f"--python_out={out_dir}",
         f"--grpc_python_out={out_dir}",

@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ps_common.errors import NotReady, ResourceExhausted
 from ps_common.shardmap import Shard, ShardMap, VariableSpec, split_rows
-from ps_server.optimizers import SLOTS
+from ps_server.optimizers import SLOTS, compute_dtype
 
 
 @dataclass(frozen=True)
@@ -25,8 +27,9 @@ class Candidate:
 
 def footprint(spec: VariableSpec, rows: int) -> int:
     """Bytes a shard of `rows` rows costs its server: values plus optimizer slots."""
-    per_row = spec.nbytes // spec.rows
-    return rows * per_row * (1 + len(SLOTS.get(spec.optimizer.name, ())))
+    slots = len(SLOTS.get(spec.optimizer.name, ()))
+    element_bytes = np.dtype(spec.dtype).itemsize + slots * compute_dtype(spec.dtype).itemsize
+    return rows * spec.row_elements * element_bytes
 
 
 def server_loads(current: ShardMap) -> dict[str, int]:

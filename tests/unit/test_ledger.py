@@ -1,0 +1,231 @@
+"""PushLedger: exactly-once application of (client, incarnation, sequence) pushes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ps_common.errors import FencedIncarnation
+from ps_server.ledger import PushLedger
+
+
+def attempt(ledger: PushLedger, client: str, inc: int, seq: int, acked: int = 0) -> bool:
+    """One push that succeeds if applied; returns whether the ledger called it a duplicate."""
+    with ledger.exactly_once(client, inc, seq, acked) as duplicate:
+        return duplicate
+
+
+class Boom(Exception):
+    pass
+
+
+def test_first_apply_is_new_and_the_retry_is_a_duplicate():
+    ledger = PushLedger()
+    assert attempt(ledger, "w1", 1, 1) is False
+    assert attempt(ledger, "w1", 1, 1) is True
+    assert attempt(ledger, "w1", 1, 2) is False
+    assert attempt(ledger, "w1", 1, 2) is True
+    assert attempt(ledger, "w1", 1, 1) is True
+
+
+def test_clients_are_independent():
+    ledger = PushLedger()
+    assert attempt(ledger, "w1", 1, 1) is False
+    assert attempt(ledger, "w2", 1, 1) is False
+    assert attempt(ledger, "w2", 1, 1) is True
+
+
+def test_exception_in_block_means_not_applied():
+    ledger = PushLedger()
+    with pytest.raises(Boom):
+        with ledger.exactly_once("w1", 1, 1, 0) as duplicate:
+            assert duplicate is False
+            raise Boom()
+    assert attempt(ledger, "w1", 1, 1) is False  # retried: applied now
+    assert attempt(ledger, "w1", 1, 1) is True
+
+
+def test_exception_on_a_gap_sequence_is_not_remembered():
+    ledger = PushLedger()
+    assert attempt(ledger, "w1", 1, 1) is False
+    with pytest.raises(Boom):
+        with ledger.exactly_once("w1", 1, 3, 0):
+            raise Boom()
+    assert ledger.pending("w1") == 0
+    assert attempt(ledger, "w1", 1, 3) is False
+
+
+def test_older_incarnation_is_fenced():
+    ledger = PushLedger()
+    assert attempt(ledger, "w1", 2, 1) is False
+    with pytest.raises(FencedIncarnation) as info:
+        attempt(ledger, "w1", 1, 7)
+    assert info.value.code == "FAILED_PRECONDITION"
+    assert "w1" in info.value.message
+    # a fenced attempt changes nothing for the current incarnation
+    assert attempt(ledger, "w1", 2, 1) is True
+    assert attempt(ledger, "w1", 2, 2) is False
+
+
+def test_newer_incarnation_resets_sequences():
+    ledger = PushLedger()
+    for seq in (1, 2, 3, 5):
+        assert attempt(ledger, "w1", 1, seq) is False
+    assert ledger.pending("w1") == 1  # 5 is above the contiguous floor 3
+    assert attempt(ledger, "w1", 2, 1) is False  # a new incarnation starts over
+    assert ledger.pending("w1") == 0
+    assert attempt(ledger, "w1", 2, 1) is True
+    assert attempt(ledger, "w1", 2, 3) is False
+    with pytest.raises(FencedIncarnation):
+        attempt(ledger, "w1", 1, 6)
+
+
+def test_out_of_order_sequences():
+    ledger = PushLedger()
+    order = [3, 1, 5, 2, 4, 7]
+    for seq in order:
+        assert attempt(ledger, "w1", 1, seq) is False, seq
+    for seq in order:
+        assert attempt(ledger, "w1", 1, seq) is True, seq
+    assert attempt(ledger, "w1", 1, 6) is False
+    assert attempt(ledger, "w1", 1, 8) is False
+
+
+def test_acked_through_shrinks_pending():
+    ledger = PushLedger()
+    for seq in (2, 4, 6, 8):
+        assert attempt(ledger, "w1", 1, seq) is False
+    assert ledger.pending("w1") == 4
+    assert attempt(ledger, "w1", 1, 9, acked=4) is False
+    assert ledger.pending("w1") == 3  # 6, 8, 9 remain above the floor 4
+    assert attempt(ledger, "w1", 1, 12, acked=9) is False
+    assert ledger.pending("w1") == 1  # 12 only
+    assert attempt(ledger, "w1", 1, 12, acked=12) is True
+    assert ledger.pending("w1") == 0
+    # everything at or below the acknowledged floor counts as applied
+    for seq in range(1, 13):
+        assert attempt(ledger, "w1", 1, seq, acked=12) is True
+    assert attempt(ledger, "w1", 1, 13, acked=12) is False
+
+
+def test_acked_through_is_monotonic():
+    ledger = PushLedger()
+    attempt(ledger, "w1", 1, 6, acked=5)
+    attempt(ledger, "w1", 1, 8, acked=2)  # an older ack does not lower the floor
+    assert attempt(ledger, "w1", 1, 4) is True
+    assert attempt(ledger, "w1", 1, 7) is False
+
+
+def test_unknown_client_has_nothing_pending():
+    assert PushLedger().pending("nobody") == 0
+
+
+def test_max_pending_bounds_memory_and_never_reapplies():
+    ledger = PushLedger(max_pending=3)
+    applied: list[int] = []
+    for seq in range(2, 60, 2):  # gaps everywhere, so nothing folds into the floor by itself
+        assert attempt(ledger, "w1", 1, seq) is False
+        applied.append(seq)
+        assert ledger.pending("w1") <= 3
+    # Nothing already applied is ever applied again, however long ago.
+    for seq in applied:
+        assert attempt(ledger, "w1", 1, seq) is True, seq
+        assert ledger.pending("w1") <= 3
+    # The newest gap above the retained window is still open.
+    assert attempt(ledger, "w1", 1, 59) is False
+
+
+def test_max_clients_is_an_lru_bound():
+    ledger = PushLedger(max_clients=2)
+    assert attempt(ledger, "a", 1, 5) is False
+    assert attempt(ledger, "b", 1, 5) is False
+    assert (ledger.pending("a"), ledger.pending("b")) == (1, 1)
+    assert attempt(ledger, "a", 1, 7) is False  # touches a: b is now least recently used
+    assert attempt(ledger, "c", 1, 5) is False  # evicts b
+    assert ledger.pending("a") == 2
+    assert ledger.pending("b") == 0
+    assert ledger.pending("c") == 1
+    assert attempt(ledger, "a", 1, 5) is True
+    assert attempt(ledger, "d", 1, 5) is False  # evicts c (a was just used)
+    assert ledger.pending("c") == 0
+    assert ledger.pending("a") == 2
+
+
+def _run_threads(target, n: int) -> None:
+    threads = [threading.Thread(target=target, args=(i,), name=f"ledger-test-{i}")
+               for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_concurrent_same_sequence_applied_exactly_once():
+    ledger = PushLedger()
+    n = 16
+    barrier = threading.Barrier(n, timeout=10)
+    results: list[bool] = []
+    inside = [0]
+    max_inside = [0]
+    lock = threading.Lock()
+
+    def worker(_):
+        barrier.wait()
+        with ledger.exactly_once("w1", 1, 42, 0) as duplicate:
+            with lock:
+                inside[0] += 1
+                max_inside[0] = max(max_inside[0], inside[0])
+            with lock:
+                inside[0] -= 1
+            results.append(duplicate)
+
+    _run_threads(worker, n)
+    assert len(results) == n
+    assert results.count(False) == 1
+    assert max_inside[0] == 1  # one client's pushes are applied one at a time
+
+
+def test_concurrent_first_attempt_fails_then_exactly_one_other_applies():
+    ledger = PushLedger()
+    n = 8
+    barrier = threading.Barrier(n, timeout=10)
+    outcomes: list[str] = []
+    failed_once = threading.Event()
+
+    def worker(_):
+        barrier.wait()
+        try:
+            with ledger.exactly_once("w1", 1, 1, 0) as duplicate:
+                if not duplicate and not failed_once.is_set():
+                    failed_once.set()
+                    raise Boom()
+                outcomes.append("dup" if duplicate else "applied")
+        except Boom:
+            outcomes.append("failed")
+
+    _run_threads(worker, n)
+    assert outcomes.count("failed") == 1
+    assert outcomes.count("applied") == 1
+    assert outcomes.count("dup") == n - 2
+
+
+def test_concurrent_distinct_sequences_each_applied_once():
+    ledger = PushLedger(max_pending=8)
+    n, per = 8, 50
+    barrier = threading.Barrier(n, timeout=10)
+    applied: list[int] = []
+    lock = threading.Lock()
+
+    def worker(i):
+        barrier.wait()
+        # every thread tries every sequence: each must be applied by exactly one of them
+        for seq in range(1, per + 1):
+            with ledger.exactly_once("w1", 1, seq, 0) as duplicate:
+                if not duplicate:
+                    with lock:
+                        applied.append(seq)
+
+    _run_threads(worker, n)
+    assert sorted(applied) == list(range(1, per + 1))

@@ -1,0 +1,290 @@
+"""Tensor serde: bfloat16 conversion, chunked streams, byte readers, dtype rules, TensorMeta."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ps_common.errors import InvalidArgument
+from ps_common.tensors import (
+    WIRE_DTYPES,
+    StreamAssembler,
+    TensorMeta,
+    array_reader,
+    bfloat16_bits_to_float32,
+    check_narrowing,
+    dtype_from_proto,
+    dtype_to_proto,
+    float32_to_bfloat16_bits,
+    from_wire,
+    iter_chunks,
+    to_wire,
+    view_bytes,
+    wire_itemsize,
+    wire_raw_dtype,
+)
+from ps_proto.v1 import tensor_pb2
+
+
+def f32(bits: int) -> np.float32:
+    return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+
+# ---- bfloat16 ---------------------------------------------------------------------------
+
+def test_bfloat16_round_trip_is_exact_for_representable_values():
+    rng = np.random.default_rng(0)
+    # Random upper halves (all finite, non-NaN patterns) with zero lower halves.
+    upper = rng.integers(0, 1 << 16, size=10_000, dtype=np.uint32)
+    upper = upper[(upper & 0x7F80) != 0x7F80]  # drop inf/NaN exponents
+    values = (upper << np.uint32(16)).view(np.float32)
+    specials = np.array([0.0, -0.0, 1.0, -1.0, 0.5, 2.0**-130, 2.0**127 * 1.5, -256.0, 1.0 + 2.0**-7],
+                        dtype=np.float32)
+    values = np.concatenate([values, specials])
+    bits = float32_to_bfloat16_bits(values)
+    assert bits.dtype == np.dtype("<u2") and bits.shape == values.shape
+    back = bfloat16_bits_to_float32(bits)
+    assert back.dtype == np.float32
+    assert np.array_equal(back.view(np.uint32), values.view(np.uint32))  # bit-exact, -0.0 too
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    cases = {
+        0x3F808000: 0x3F80,  # 1 + 2^-8: exact tie, upper is even -> stays down
+        0x3F818000: 0x3F82,  # 1 + 3*2^-8: exact tie, upper is odd -> rounds up to even
+        0x3F808001: 0x3F81,  # just above the tie -> up
+        0x3F807FFF: 0x3F80,  # just below the tie -> down
+        0xBF818000: 0xBF82,  # negative tie, odd -> away from zero to even
+        0x3F80FFFF: 0x3F81,
+        0x3FFFFFFF: 0x4000,  # carries into the exponent
+        0x7F7FFFFF: 0x7F80,  # float32 max rounds to +inf, as IEEE round-to-nearest does
+    }
+    values = np.array([f32(b) for b in cases], dtype=np.float32)
+    got = float32_to_bfloat16_bits(values)
+    assert [hex(int(b)) for b in got] == [hex(v) for v in cases.values()]
+
+
+def test_bfloat16_keeps_nan_and_inf():
+    values = np.array([np.nan, -np.nan, np.inf, -np.inf, f32(0x7F800001), f32(0xFFFFFFFF)],
+                      dtype=np.float32)
+    back = bfloat16_bits_to_float32(float32_to_bfloat16_bits(values))
+    assert np.isnan(back[0]) and np.isnan(back[1])
+    assert back[2] == np.inf and back[3] == -np.inf
+    # signalling NaN / all-ones NaN must not round into inf or wrap around to zero
+    assert np.isnan(back[4]) and np.isnan(back[5])
+
+
+def test_bfloat16_works_on_multidimensional_and_non_contiguous_input():
+    values = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]
+    values[0, 0] = np.nan
+    bits = float32_to_bfloat16_bits(values)
+    assert bits.shape == (4, 3)
+    back = bfloat16_bits_to_float32(bits)
+    assert np.isnan(back[0, 0])
+    assert np.array_equal(back.reshape(-1)[1:], values.reshape(-1)[1:])
+
+
+def test_to_wire_and_from_wire():
+    values = np.array([[1.0, -2.5], [3.25, 1e-3]], dtype=np.float32)
+    for wire in WIRE_DTYPES:
+        raw = to_wire(values, wire)
+        assert raw.dtype == wire_raw_dtype(wire) and raw.flags.c_contiguous
+        assert raw.itemsize == wire_itemsize(wire)
+        decoded = from_wire(raw, wire)
+        np.testing.assert_allclose(decoded, values, rtol=1e-2)
+    # No copy when the array already is the wire's raw element type.
+    assert np.shares_memory(to_wire(values, "float32"), values)
+
+
+# ---- chunked streams --------------------------------------------------------------------
+
+def _tensors():
+    rng = np.random.default_rng(1)
+    return [
+        (rng.standard_normal((3, 5)).astype(np.float32), "float32"),
+        (rng.standard_normal(7), "float64"),
+        (np.zeros((0,), dtype=np.float32), "float32"),  # empty tensor in the middle
+        (rng.standard_normal((11, 2)).astype(np.float32), "bfloat16"),
+        (rng.standard_normal(9).astype(np.float32), "float16"),
+        (rng.standard_normal((2, 2, 3)).astype(np.float64), "float16"),
+        (np.zeros((0,), dtype=np.float64), "float64"),  # empty tensor at the end
+    ]
+
+
+def _expected_bytes(values, wire) -> bytes:
+    return to_wire(values, wire).tobytes()
+
+
+@pytest.mark.parametrize("chunk_bytes", [8, 24, 1000, 1 << 20, 7, 1])
+def test_iter_chunks_and_assembler_round_trip(chunk_bytes):
+    tensors = _tensors()
+    metas = [TensorMeta(wire, values.shape) for values, wire in tensors]
+    sizes = [m.nbytes for m in metas]
+    assert sizes == [len(_expected_bytes(v, w)) for v, w in tensors]
+    readers = [array_reader(values, wire) for values, wire in tensors]
+    chunks = list(iter_chunks(sizes, readers, chunk_bytes))
+
+    total = sum(sizes)
+    assert b"".join(chunks) == b"".join(_expected_bytes(v, w) for v, w in tensors)
+    assert all(len(c) == chunk_bytes for c in chunks[:-1])
+    assert 0 < len(chunks[-1]) <= chunk_bytes
+    assert len(chunks) == -(-total // chunk_bytes)
+
+    buffers = [np.empty(m.shape, dtype=wire_raw_dtype(m.dtype)) for m in metas]
+    assembler = StreamAssembler(buffers, what="test")
+    assert assembler.expected == total
+    for chunk in chunks:
+        assembler.write(chunk)
+    assembler.finish()
+    assert assembler.received == total
+    for (values, wire), buf, meta in zip(tensors, buffers, metas):
+        decoded = from_wire(buf, wire)
+        assert np.array_equal(decoded, from_wire(to_wire(values, wire), wire), equal_nan=True)
+        # view_bytes over the raw bytes gives the same tensor
+        assert np.array_equal(view_bytes(buf.tobytes(), meta), decoded)
+
+
+def test_iter_chunks_of_nothing_yields_one_empty_piece_that_assembles():
+    chunks = list(iter_chunks([0, 0], [array_reader(np.zeros(0, np.float32), "float32")] * 2, 16))
+    assert chunks == [b""]
+    assembler = StreamAssembler([bytearray(0), np.zeros(0, dtype=np.float32)], what="empty")
+    for c in chunks:
+        assembler.write(c)
+    assembler.finish()
+    assert list(iter_chunks([], [], 16)) == [b""]
+
+
+def test_assembler_accepts_bytearray_and_memoryview_destinations():
+    data = bytes(range(40))
+    a, b = bytearray(10), bytearray(30)
+    assembler = StreamAssembler([a, memoryview(b)], what="x")
+    assembler.write(data[:3])
+    assembler.write(b"")
+    assembler.write(data[3:25])
+    assembler.write(data[25:])
+    assembler.finish()
+    assert bytes(a) + bytes(b) == data
+
+
+def test_assembler_accepts_an_empty_multidimensional_numpy_destination():
+    assembler = StreamAssembler([np.zeros((0, 3), dtype=np.float32), bytearray(4)], what="x")
+    assembler.write(b"abcd")
+    assembler.finish()
+
+
+def test_assembler_rejects_more_bytes_than_announced():
+    buffers = [bytearray(4), bytearray(4)]
+    assembler = StreamAssembler(buffers, what="push")
+    assembler.write(b"12345")
+    with pytest.raises(InvalidArgument) as info:
+        assembler.write(b"6789")
+    assert info.value.code == "INVALID_ARGUMENT"
+    # nothing of the rejected chunk was written
+    assert bytes(buffers[0]) + bytes(buffers[1]) == b"12345\0\0\0"
+
+
+def test_assembler_rejects_any_byte_into_an_empty_stream():
+    assembler = StreamAssembler([bytearray(0)], what="push")
+    with pytest.raises(InvalidArgument):
+        assembler.write(b"x")
+
+
+def test_assembler_finish_rejects_too_few_bytes():
+    assembler = StreamAssembler([bytearray(4), bytearray(4)], what="push")
+    assembler.write(b"1234567")
+    with pytest.raises(InvalidArgument):
+        assembler.finish()
+    untouched = StreamAssembler([bytearray(1)], what="push")
+    with pytest.raises(InvalidArgument):
+        untouched.finish()
+
+
+# ---- array_reader -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("source_dtype", ["float32", "float64"])
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "float32"])
+def test_array_reader_arbitrary_ranges_match_the_encoding(source_dtype, wire):
+    rng = np.random.default_rng(2)
+    values = rng.standard_normal((13, 7)).astype(source_dtype)
+    encoded = to_wire(values, wire).tobytes()
+    read = array_reader(values, wire)
+    n = len(encoded)
+    ranges = [(0, n), (0, 1), (1, 2), (3, 5), (n - 1, n), (n, n), (17, 61), (5, 5)]
+    ranges += [tuple(sorted(rng.integers(0, n + 1, size=2).tolist())) for _ in range(50)]
+    for a, b in ranges:
+        got = read(a, b - a)
+        assert isinstance(got, bytes)
+        assert got == encoded[a:b], (a, b)
+
+
+def test_array_reader_same_dtype_reads_current_values_with_lock():
+    values = np.arange(10, dtype=np.float32)
+    lock = threading.Lock()
+    read = array_reader(values, "float32", lock)
+    assert read(4, 8) == values[1:3].tobytes()
+    values[1] = 99.0  # the reader sees the live array, not a snapshot
+    assert read(4, 4) == np.float32(99.0).tobytes()
+    assert not lock.locked()
+    read16 = array_reader(values, "float16", lock)
+    assert read16(2, 3) == values.astype(np.float16).tobytes()[2:5]
+    assert not lock.locked()
+
+
+# ---- dtype rules and TensorMeta ---------------------------------------------------------
+
+@pytest.mark.parametrize("stored, wire", [
+    ("float32", "bfloat16"), ("float32", "float16"), ("float32", "float32"),
+    ("float64", "float32"), ("float64", "bfloat16"), ("float64", "float64"),
+    ("float16", "float16"),
+])
+def test_check_narrowing_allows_narrower_or_equal(stored, wire):
+    check_narrowing(stored, wire, variable="v")
+
+
+@pytest.mark.parametrize("stored, wire", [
+    ("float16", "float32"), ("float16", "float64"), ("float32", "float64"),
+])
+def test_check_narrowing_refuses_wider(stored, wire):
+    with pytest.raises(InvalidArgument) as info:
+        check_narrowing(stored, wire, variable="dense/bias")
+    assert "dense/bias" in info.value.message
+
+
+@pytest.mark.parametrize("wire", WIRE_DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 0, 4), (5, 6, 7)])
+def test_tensor_meta_proto_round_trip(wire, shape):
+    meta = TensorMeta(wire, shape)
+    msg = meta.to_proto()
+    assert isinstance(msg, tensor_pb2.TensorMeta)
+    again = TensorMeta.from_proto(tensor_pb2.TensorMeta.FromString(msg.SerializeToString()),
+                                  what="t")
+    assert again == meta
+    assert meta.nbytes == int(np.prod(shape, dtype=np.int64)) * wire_itemsize(wire)
+
+
+def test_dtype_enum_round_trip_and_unknown_values():
+    assert [dtype_from_proto(dtype_to_proto(d)) for d in WIRE_DTYPES] == list(WIRE_DTYPES)
+    for bad in (0, 99):
+        with pytest.raises(InvalidArgument):
+            dtype_from_proto(bad)
+    with pytest.raises(InvalidArgument):
+        dtype_to_proto("int8")
+
+
+def test_tensor_meta_from_proto_rejects_negative_dims_and_unspecified_dtype():
+    with pytest.raises(InvalidArgument):
+        TensorMeta.from_proto(tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[2, -1]),
+                              what="t")
+    with pytest.raises(InvalidArgument):
+        TensorMeta.from_proto(tensor_pb2.TensorMeta(shape=[2]), what="t")
+
+
+def test_view_bytes_is_a_zero_copy_view_of_a_bytearray():
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    buf = bytearray(values.tobytes())
+    view = view_bytes(buf, TensorMeta("float32", (2, 3)))
+    assert np.array_equal(view, values) and view.flags.writeable
+    view[0, 0] = 42.0
+    assert np.frombuffer(buf, dtype=np.float32)[0] == 42.0
