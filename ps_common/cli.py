@@ -39,15 +39,18 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def run_until_signal(stop, wait) -> int:
-    """Block until SIGTERM or SIGINT (then call `stop()` for a graceful shutdown) or until
-    `wait(timeout)` reports the daemon ended by itself. Returns the exit status, 0."""
+def run_until_signal(stop, wait, announce) -> int:
+    """Call `announce()` (print the ready line), then block until SIGTERM or SIGINT (then
+    call `stop()` for a graceful shutdown) or until `wait(timeout)` reports the daemon ended
+    by itself. Handlers are installed before the announcement, so a signal sent as soon as
+    the ready line appears is still graceful. Returns the exit status, 0."""
     requested = threading.Event()
 
     def on_signal(signum, frame):
         requested.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    announce()
     try:
         while not requested.is_set():
             if wait(0.2):

@@ -21,6 +21,15 @@ from ps_common.status import RemoteError
 # limit (leaving room for headers), so no peer ever needs its limits raised.
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_CHUNK_BYTES = 3 * 1024 * 1024  # leaves room for headers under MAX_MESSAGE_BYTES
+
+
+def check_chunk_bytes(chunk_bytes: int, *, what: str = "chunk_bytes") -> None:
+    """Chunks are a positive multiple of 8 (element-aligned for every dtype) and stay under
+    gRPC's default 4 MiB message limit, so no peer needs its limits raised."""
+    if chunk_bytes < 8 or chunk_bytes % 8 or chunk_bytes > MAX_CHUNK_BYTES:
+        raise ValueError(f"{what} {chunk_bytes} must be a multiple of 8 between 8 and "
+                         f"{MAX_CHUNK_BYTES} (3 MiB)")
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -57,7 +66,10 @@ def make_server(max_workers: int = 16, interceptors=()) -> grpc.Server:
 def bind(server: grpc.Server, host: str, port: int) -> tuple[str, int]:
     """Bind `server` to host:port (0 = any free port); returns (address, bound port)."""
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(target)
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError:  # grpcio >= 1.60 raises instead of returning 0
+        bound = 0
     if bound == 0:
         raise OSError(f"could not bind {target}: address in use or not available")
     address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"

@@ -42,6 +42,11 @@ def translate_errors(context: grpc.ServicerContext, method: str):
         yield
     except PSError as error:
         context.abort_with_status(_status_for(error))
+    except grpc.RpcError:
+        # The caller's request stream broke (cancelled, deadline, disconnect): it is not
+        # waiting for an answer, and this is no server fault worth a traceback.
+        log.debug("request stream of %s ended early", method)
+        context.abort(grpc.StatusCode.CANCELLED, f"the request stream of {method} ended early")
     except Exception:
         # abort() itself raises a bare Exception subclass to unwind the handler: keep it.
         if context.code() is not None:

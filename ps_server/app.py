@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from ps_common.rpc import DEFAULT_CHUNK_BYTES, make_channel
+from ps_common.rpc import DEFAULT_CHUNK_BYTES, check_chunk_bytes, make_channel
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc, parameter_server_pb2_grpc
 from ps_server.daemon import Daemon
 from ps_server.ledger import PushLedger
@@ -40,12 +40,7 @@ class ServerConfig:
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not in 0..65535")
-        if self.chunk_bytes < 8 or self.chunk_bytes % 8:
-            raise ValueError(f"--chunk-bytes {self.chunk_bytes} must be a positive multiple of 8")
-        if self.chunk_bytes > 3 * 1024 * 1024:
-            raise ValueError(
-                f"--chunk-bytes {self.chunk_bytes} exceeds 3 MiB: chunks must stay under gRPC's "
-                "4 MiB default message limit")
+        check_chunk_bytes(self.chunk_bytes, what="--chunk-bytes")
         if self.memory_budget_bytes < 0:
             raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be >= 0")
         if self.heartbeat_interval_s <= 0:

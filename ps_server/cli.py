@@ -62,10 +62,12 @@ def server_main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"ps-server: --host/--port: {error}", file=sys.stderr)
         return 1
-    print(f"ps-server {server.server_id} listening on {server.bound_address}", flush=True)
-    if server.address != server.bound_address:
-        log.info("advertising %s to the coordinator", server.address)
-    code = run_until_signal(server.stop, server.wait)
+    def announce():
+        print(f"ps-server {server.server_id} listening on {server.bound_address}", flush=True)
+        if server.address != server.bound_address:
+            log.info("advertising %s to the coordinator", server.address)
+
+    code = run_until_signal(server.stop, server.wait, announce)
     log.info("stopped")
     return code
 

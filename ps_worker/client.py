@@ -26,12 +26,13 @@ import numpy as np
 
 from ps_common.errors import InvalidArgument
 from ps_common.rpc import (
-    DEFAULT_CHUNK_BYTES, READ_RETRY_CODES, RetryPolicy, call_with_retry, make_channel,
+    DEFAULT_CHUNK_BYTES, READ_RETRY_CODES, RetryPolicy, call_with_retry, check_chunk_bytes,
+    make_channel,
 )
 from ps_common.shardmap import Component, Shard, ShardMap, VariableSpec
 from ps_common.status import RemoteError
 from ps_common.tensors import (
-    StreamAssembler, TensorMeta, array_reader, check_narrowing, dtype_to_proto, from_wire,
+    WIRE_DTYPES, StreamAssembler, TensorMeta, array_reader, dtype_to_proto, from_wire,
     iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
@@ -87,8 +88,7 @@ class PSClient:
         max_in_flight_pushes: int = 4,
         allow_non_finite: bool = False,
     ):
-        if chunk_bytes < 8 or chunk_bytes % 8:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of 8")
+        check_chunk_bytes(chunk_bytes)
         if max_in_flight_pushes < 1:
             raise ValueError("max_in_flight_pushes must be >= 1")
         self.coordinator = coordinator
@@ -118,6 +118,7 @@ class PSClient:
             max_workers=max_in_flight_pushes, thread_name_prefix="ps-client-push")
         self._window = threading.BoundedSemaphore(max_in_flight_pushes)
         self._pending: set[futures.Future] = set()
+        self._failed: list[futures.Future] = []  # finished push_async calls not yet flushed
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -225,14 +226,15 @@ class PSClient:
         wanted = [names] if single else list(dict.fromkeys(names))
         for _ in range(MAX_MAP_REFRESHES):
             shard_map = self._map_with(wanted)
+            for name in wanted:
+                self._check_wire_dtype(shard_map.spec(name), wire_dtype)
             outputs = {n: self._output(shard_map.spec(n), out) for n in wanted}
             try:
                 self._run_per_server(shard_map, wanted, lambda sid, shards: self._pull_from(
                     shard_map, sid, shards, outputs, wire_dtype))
             except RemoteError as error:
-                if error.stale_epoch is None:
+                if not self._map_moved(shard_map, error):
                     raise
-                self.refresh()
                 continue
             return outputs[names] if single else outputs
         raise _local_error(grpc.StatusCode.ABORTED,
@@ -243,6 +245,32 @@ class PSClient:
         """`pull` in the background (e.g. the next step's parameters while this step
         computes); returns a Future of what `pull` returns."""
         return self._prefetch_pool.submit(self.pull, names, wire_dtype=wire_dtype, out=out)
+
+    @staticmethod
+    def _check_wire_dtype(spec: VariableSpec, wire_dtype: str | None) -> None:
+        if wire_dtype is None:
+            return
+        if wire_dtype not in WIRE_DTYPES:
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"wire_dtype {wire_dtype!r} is not one of {WIRE_DTYPES}")
+        if wire_itemsize(wire_dtype) > np.dtype(spec.dtype).itemsize:
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {spec.name!r}: wire dtype {wire_dtype} is wider than "
+                               f"its stored dtype {spec.dtype}")
+
+    def _map_moved(self, used: ShardMap, error: RemoteError) -> bool:
+        """After a failed call: should it be redone with a fresh map? True when a server
+        said the map was stale, or when a server stayed unreachable and the coordinator
+        now knows a newer map (e.g. the server came back at another address)."""
+        if error.stale_epoch is not None:
+            self.refresh()
+            return True
+        if error.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        try:
+            return self.refresh().epoch > used.epoch
+        except RemoteError:
+            return False
 
     @staticmethod
     def _output(spec: VariableSpec, out: Mapping[str, np.ndarray] | None) -> np.ndarray:
@@ -264,7 +292,6 @@ class PSClient:
             rows = outputs[shard.variable][shard.row_start:shard.row_stop]
             wire = wire_dtype or spec.dtype
             if wire != spec.dtype:
-                check_narrowing(spec.dtype, wire, variable=spec.name)
                 raw = np.empty(rows.shape, wire_raw_dtype(wire))
                 destinations.append(raw)
                 conversions.append((rows, raw, wire))
@@ -304,18 +331,26 @@ class PSClient:
                 by_server.setdefault(piece.shard.server_id, []).append(piece)
             failed_stale: list[_Piece] = []
 
+            errors: list[RemoteError] = []
+
             def push_one(server_id: str, group: list[_Piece], shard_map=shard_map):
                 try:
                     self._push_to(shard_map, server_id, group)
                 except RemoteError as error:
-                    if error.stale_epoch is None:
+                    if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
                     failed_stale.extend(group)
+                    errors.append(error)
 
             self._run_groups(by_server, push_one)
             if not failed_stale:
                 return
-            shard_map = self.refresh()
+            # Parts refused as stale, or whose server stayed unreachable, are sent again
+            # (under new sequence numbers: nothing of theirs was applied, or the server
+            # that may have applied it is gone) if the coordinator's map has moved on.
+            if not any(self._map_moved(shard_map, e) for e in errors):
+                raise errors[0]
+            shard_map = self.shard_map
             pieces = [self._relocate(shard_map, p) for p in failed_stale]
         raise _local_error(grpc.StatusCode.ABORTED,
                            f"shard map kept changing during {MAX_MAP_REFRESHES} push attempts")
@@ -337,6 +372,8 @@ class PSClient:
             self._window.release()
             with self._lock:
                 self._pending.discard(f)
+                if not f.cancelled() and f.exception() is not None:
+                    self._failed.append(f)
 
         future.add_done_callback(done)
         return future
@@ -348,8 +385,10 @@ class PSClient:
         done, not_done = futures.wait(pending, timeout=timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} push(es) still in flight after {timeout} s")
-        for future in done:
-            future.result()
+        with self._lock:
+            failed, self._failed = self._failed, []
+        for future in failed:
+            future.result()  # raises the first error
 
     def _split(self, shard_map: ShardMap, grads: Mapping[str, np.ndarray],
                wire_dtype: str | None) -> list[_Piece]:
@@ -357,11 +396,15 @@ class PSClient:
         for name, grad in grads.items():
             spec = shard_map.spec(name)
             grad = np.asarray(grad)
-            wire = wire_dtype or (grad.dtype.name if grad.dtype.kind == "f" else None)
-            if wire not in ("float32", "float64", "float16", "bfloat16"):
+            if grad.dtype.kind != "f":
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"variable {name!r}: gradient dtype {grad.dtype} is not a float "
                                    f"dtype; expected {spec.dtype}")
+            wire = wire_dtype or grad.dtype.name
+            if wire not in WIRE_DTYPES:
+                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"variable {name!r}: wire dtype {wire} is not one of "
+                                   f"{WIRE_DTYPES}")
             if tuple(grad.shape) != spec.shape:
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"variable {name!r}: gradient shape {list(grad.shape)} does not "
@@ -370,11 +413,15 @@ class PSClient:
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"variable {name!r}: gradient dtype {wire} is wider than the "
                                    f"variable's dtype {spec.dtype}")
-            if not self._allow_non_finite and not np.isfinite(grad.sum(dtype=np.float64)) \
-                    and not np.isfinite(grad).all():
+            with np.errstate(over="ignore"):
+                encoded = to_wire(grad, wire)
+            # Checked after narrowing: a value that overflows the wire dtype becomes Inf.
+            decoded = from_wire(encoded, wire)
+            if not self._allow_non_finite and not np.isfinite(decoded.sum(dtype=np.float64)) \
+                    and not np.isfinite(decoded).all():
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"variable {name!r}: gradient has non-finite values (NaN or Inf)")
-            encoded = to_wire(grad, wire)
+                                   f"variable {name!r}: gradient has non-finite values (NaN or "
+                                   f"Inf) in wire dtype {wire}; nothing was applied")
             for shard in shard_map.shards_of(name):
                 pieces.append(_Piece(shard, encoded[shard.row_start:shard.row_stop], wire))
         return pieces

@@ -56,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"ps-coordinator: --host/--port: {error}", file=sys.stderr)
         return 1
-    print(f"ps-coordinator listening on {coordinator.address}", flush=True)
-    if job is not None:
-        log.info("job: %s", job.to_json())
-    code = run_until_signal(coordinator.stop, coordinator.wait)
+    def announce():
+        print(f"ps-coordinator listening on {coordinator.address}", flush=True)
+        if job is not None:
+            log.info("job: %s", job.to_json())
+
+    code = run_until_signal(coordinator.stop, coordinator.wait, announce)
     log.info("stopped")
     return code
 

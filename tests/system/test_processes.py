@@ -1,0 +1,181 @@
+"""Real ps-coordinator and ps-server processes: start-up on port 0, the data path through
+PSClient, graceful SIGTERM, SIGKILL and restart, and refused command lines."""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ps_server.initializers import initialize_rows
+from ps_worker import PSClient, RetryPolicy
+
+pytestmark = pytest.mark.system
+
+COORDINATOR = [sys.executable, "-m", "ps_server.coordinator.cli"]
+SERVER = [sys.executable, "-m", "ps_server.cli"]
+LISTENING = re.compile(r"listening on (\S+:\d+)")
+START_TIMEOUT_S = 20.0
+EXIT_TIMEOUT_S = 15.0
+# Declaring waits for the server to register: retry UNAVAILABLE for a bounded while.
+PATIENT = RetryPolicy(max_attempts=60, initial_backoff_s=0.05, max_backoff_s=0.25)
+SGD1 = {"name": "sgd", "lr": 1.0}
+
+
+class Process:
+    """A child process whose stdout is read line by line by a named thread."""
+
+    def __init__(self, argv: list[str], stderr_path: Path):
+        self.argv = argv
+        self.stderr_path = stderr_path
+        self._stderr = open(stderr_path, "wb")
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._stderr,
+                                      stdin=subprocess.DEVNULL, text=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name=f"test-reader-{self.popen.pid}")
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_for_address(self, timeout: float = START_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"{self.argv}: no 'listening on' line within {timeout} s; "
+                                     f"stderr:\n{self.stderr()}")
+            try:
+                line = self._lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"{self.argv} exited with {self.popen.wait(5)} before "
+                                     f"listening; stderr:\n{self.stderr()}")
+            match = LISTENING.search(line)
+            if match:
+                return match.group(1)
+
+    def terminate_and_wait(self, timeout: float = EXIT_TIMEOUT_S) -> int:
+        self.popen.send_signal(signal.SIGTERM)
+        return self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        """End the process (if still running), its reader thread and files. Idempotent."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(EXIT_TIMEOUT_S)
+        self._reader.join(EXIT_TIMEOUT_S)
+        self.popen.stdout.close()
+        self._stderr.close()
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """spawn(argv) -> Process; every process is killed after the test, pass or fail."""
+    started: list[Process] = []
+
+    def start(argv: list[str]) -> Process:
+        proc = Process(argv, tmp_path / f"stderr-{len(started)}.log")
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in reversed(started):
+        proc.kill()
+
+
+def start_cluster(spawn) -> tuple[Process, str, Process, str]:
+    coordinator = spawn([*COORDINATOR, "--port", "0", "--grace", "1"])
+    coordinator_address = coordinator.wait_for_address()
+    server = spawn([*SERVER, "--port", "0", "--coordinator", coordinator_address,
+                    "--server-id", "s0", "--grace", "1", "--heartbeat-interval", "0.2"])
+    server_address = server.wait_for_address()
+    return coordinator, coordinator_address, server, server_address
+
+
+def test_declare_push_pull_then_sigterm_exits_zero(spawn):
+    coordinator, coordinator_address, server, server_address = start_cluster(spawn)
+    with PSClient(coordinator_address, retry=PATIENT, timeout_s=10) as ps:
+        spec = ps.declare("w", shape=(300, 7), init="glorot_uniform", optimizer=SGD1, seed=5)
+        assert ps.shard_map.servers == {"s0": server_address}
+        start = ps.pull("w")
+        np.testing.assert_array_equal(start, initialize_rows(spec, 0, 300))
+        grad = np.arange(2100, dtype=np.float32).reshape(300, 7) % 3
+        ps.push({"w": grad})
+        ps.push({"w": grad})
+        np.testing.assert_array_equal(ps.pull("w"), (start - grad) - grad)
+
+    assert server.terminate_and_wait() == 0
+    assert coordinator.terminate_and_wait() == 0
+
+
+def test_killed_server_restarts_on_its_port_and_clients_recover(spawn):
+    coordinator, coordinator_address, server, server_address = start_cluster(spawn)
+    port = server_address.rsplit(":", 1)[1]
+    with PSClient(coordinator_address, retry=PATIENT, timeout_s=10) as ps:
+        spec = ps.declare("w", shape=(50, 4), init="uniform", optimizer=SGD1, seed=2)
+        ps.push({"w": np.ones((50, 4), np.float32)})
+        np.testing.assert_array_equal(ps.pull("w"), initialize_rows(spec, 0, 50) - 1)
+
+        server.popen.kill()
+        assert server.popen.wait(EXIT_TIMEOUT_S) == -signal.SIGKILL
+        again = spawn([*SERVER, "--port", port, "--coordinator", coordinator_address,
+                       "--server-id", "s0", "--grace", "1", "--heartbeat-interval", "0.2"])
+        assert again.wait_for_address() == server_address
+
+        # No checkpoints: the shard is re-created with its initial values, and the client
+        # (which retries UNAVAILABLE) keeps working without being told anything.
+        np.testing.assert_array_equal(ps.pull("w"), initialize_rows(spec, 0, 50))
+        ps.push({"w": np.ones((50, 4), np.float32)})
+        np.testing.assert_array_equal(ps.pull("w"), initialize_rows(spec, 0, 50) - 1)
+
+    assert again.terminate_and_wait() == 0
+    assert coordinator.terminate_and_wait() == 0
+
+
+@pytest.mark.parametrize("argv,flag", [
+    ([*SERVER, "--port", "70000"], "--port"),
+    ([*SERVER, "--coordinator", "nonsense"], "--coordinator"),
+    ([*SERVER, "--chunk-bytes", "12"], "--chunk-bytes"),
+    ([*SERVER, "--memory-budget", "lots"], "--memory-budget"),
+    ([*COORDINATOR, "--port", "70000"], "--port"),
+    ([*COORDINATOR, "--heartbeat-interval", "2", "--heartbeat-timeout", "1"],
+     "--heartbeat-timeout"),
+    ([*COORDINATOR, "--split-threshold", "0"], "--split-threshold"),
+], ids=["server-port", "server-coordinator", "server-chunk-bytes", "server-memory-budget",
+        "coordinator-port", "coordinator-heartbeat", "coordinator-split-threshold"])
+def test_bad_flag_exits_nonzero_naming_the_flag(argv, flag):
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode != 0
+    assert flag in done.stderr
+    assert "listening on" not in done.stdout
+
+
+@pytest.mark.parametrize("program", [SERVER, COORDINATOR], ids=["server", "coordinator"])
+def test_port_in_use_exits_nonzero_naming_the_flag(program):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([*program, "--port", str(port)], capture_output=True, text=True,
+                              timeout=EXIT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert done.returncode != 0
+    assert "--port" in done.stderr
+    assert "Traceback" not in done.stderr
