@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 
 
 def _status_for(error: PSError) -> grpc.Status:
-    code = grpc.StatusCode[error.code]
     details = []
     if isinstance(error, StaleEpoch):
         detail = any_pb2.Any()

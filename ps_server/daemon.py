@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 

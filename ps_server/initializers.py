@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from ps_common.errors import InvalidArgument
-from ps_common.shardmap import Component, VariableSpec
+from ps_common.shardmap import VariableSpec
 
 # knob -> default, per initializer
 INITIALIZERS: dict[str, dict[str, float]] = {

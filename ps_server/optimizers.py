@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ps_common.errors import InvalidArgument
-from ps_common.shardmap import Component, VariableSpec
+from ps_common.shardmap import VariableSpec
 
 BLOCK_ELEMENTS = 1 << 16
 

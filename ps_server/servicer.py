@@ -12,6 +12,7 @@ from ps_common.tensors import (
 from ps_common.wire import shard_from_proto, spec_from_proto
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_server.buffers import BufferPool
 from ps_server.ledger import PushLedger
 from ps_server.store import ShardStore
 
@@ -19,10 +20,12 @@ from ps_server.store import ShardStore
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """Thread-safe: every handler may run concurrently with every other."""
 
-    def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int):
+    def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int,
+                 buffers: BufferPool | None = None):
         self._store = store
         self._ledger = ledger
         self._chunk_bytes = chunk_bytes
+        self._buffers = buffers or BufferPool()
 
     def Pull(self, request: pb.PullRequest, context):
         with translate_errors(context, "Pull"):
@@ -50,28 +53,33 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             metas = [TensorMeta.from_proto(t, what=f"push tensor {i}")
                      for i, t in enumerate(h.tensors)]
             targets = self._store.plan_push(h.epoch, refs, metas)
-            buffers = [bytearray(meta.nbytes) for meta in metas]
-            assembler = StreamAssembler(buffers, what="push")
-            assembler.write(first.data)
-            for chunk in chunks:
-                if chunk.HasField("header"):
-                    raise InvalidArgument("push stream carries a second header")
-                assembler.write(chunk.data)
-            assembler.finish()
-            grads = [self._decode(buf, meta, held.spec.dtype)
-                     for buf, meta, held in zip(buffers, metas, targets)]
-            self._store.check_gradients(targets, grads)
-            with self._ledger.exactly_once(
-                h.client_id, h.incarnation, h.sequence, h.acked_through
-            ) as duplicate:
-                if not duplicate:
-                    self._store.apply(targets, grads)
+            buffers = [self._buffers.acquire(meta.nbytes) for meta in metas]
+            try:
+                assembler = StreamAssembler(buffers, what="push")
+                assembler.write(first.data)
+                for chunk in chunks:
+                    if chunk.HasField("header"):
+                        raise InvalidArgument("push stream carries a second header")
+                    assembler.write(chunk.data)
+                assembler.finish()
+                grads = [self._decode(buf, meta, held.spec.dtype)
+                         for buf, meta, held in zip(buffers, metas, targets)]
+                self._store.check_gradients(targets, grads)
+                with self._ledger.exactly_once(
+                    h.client_id, h.incarnation, h.sequence, h.acked_through
+                ) as duplicate:
+                    if not duplicate:
+                        self._store.apply(targets, grads)
+            finally:
+                for buffer in buffers:
+                    self._buffers.release(buffer)
             return pb.PushReply(duplicate=duplicate)
 
     @staticmethod
-    def _decode(buffer: bytearray, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
+    def _decode(buffer: np.ndarray, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
         grad = view_bytes(buffer, meta)
-        # bytearray-backed views are writable: the optimizer uses the gradient as scratch.
+        # Views of our own receive buffer are writable: the optimizer uses the gradient as
+        # scratch, and the buffer is reused once the push is done.
         return grad if grad.dtype == stored_dtype else grad.astype(stored_dtype)
 
     def AssignShards(self, request: pb.AssignShardsRequest, context):

@@ -176,9 +176,10 @@ class ShardStore:
         if self.allow_non_finite:
             return
         for held, grad in zip(targets, grads):
-            # A finite sum proves every element finite without a full-size boolean temporary;
-            # only a non-finite sum (or an overflow) needs the element-wise check.
-            if not np.isfinite(grad.sum(dtype=np.float64)) and not np.isfinite(grad).all():
+            # A finite sum proves every element finite without a full-size boolean temporary
+            # (and runs at memory speed); only a non-finite sum, which an overflow of large
+            # finite values can also give, needs the element-wise check.
+            if not np.isfinite(grad.sum()) and not np.isfinite(grad).all():
                 bad = int(np.size(grad) - np.count_nonzero(np.isfinite(grad)))
                 raise InvalidArgument(
                     f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "

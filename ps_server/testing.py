@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 
 import grpc
 

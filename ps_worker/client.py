@@ -417,7 +417,7 @@ class PSClient:
                 encoded = to_wire(grad, wire)
             # Checked after narrowing: a value that overflows the wire dtype becomes Inf.
             decoded = from_wire(encoded, wire)
-            if not self._allow_non_finite and not np.isfinite(decoded.sum(dtype=np.float64)) \
+            if not self._allow_non_finite and not np.isfinite(decoded.sum()) \
                     and not np.isfinite(decoded).all():
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"variable {name!r}: gradient has non-finite values (NaN or "

@@ -217,39 +217,43 @@ def _check_job_runs_here(job: JobSpec) -> None:
                 num_classes=dataset.num_classes, hidden=job.hidden)
 
 
+FINISHED_PREFIX = "ps-coordinator finished: "
+
+
+def _final_summary(coordinator: Child) -> dict | None:
+    """The outcome the coordinator printed as it ended (the single source of truth: the
+    monitor may have missed the last status while the coordinator was shutting down)."""
+    for line in coordinator.log_path.read_text(errors="replace").splitlines():
+        if line.startswith(FINISHED_PREFIX):
+            return json.loads(line[len(FINISHED_PREFIX):])
+    return None
+
+
 def _monitor(address: str, coordinator: Child, workers: list[Child], progress: Progress,
              keep_serving: bool) -> dict:
-    with CoordinatorClient(address, give_up_after_s=10.0) as client:
+    with CoordinatorClient(address, give_up_after_s=2.0, rpc_timeout_s=2.0) as client:
         while True:
             if coordinator.returncode is not None:
+                summary = _final_summary(coordinator)
+                if coordinator.returncode == 0 and summary is not None:
+                    return summary
                 raise ClusterError(f"the coordinator exited with {coordinator.returncode} "
                                    f"before the job ended; see {coordinator.log_path}")
-            status = client.status()
+            try:
+                status = client.status()
+            except CoordinatorUnreachable:
+                continue  # exiting (checked above) or briefly busy
             progress.update(status)
             state = status["job"]["state"]
-            if state in ("done", "failed"):
-                break
-            if workers and all(w.returncode is not None for w in workers):
+            if keep_serving and state in ("done", "failed"):
+                progress.note(f"job {state}; servers keep serving on {address} (Ctrl-C to stop)")
+                while coordinator.returncode is None:
+                    time.sleep(0.5)
+                continue
+            if state == "running" and workers and all(w.returncode is not None for w in workers):
                 raise ClusterError("every worker exited before the job ended; see "
                                    f"{workers[0].log_path}")
             time.sleep(0.25)
-    job = status["job"]
-    last = job["metrics"][-1] if job["metrics"] else {}
-    outcome = {
-        "state": state, "epochs": job["epoch"], "steps": job["steps"],
-        "loss": last.get("loss"), "accuracy": last.get("test_accuracy"),
-        "test_loss": last.get("test_loss"), "train_accuracy": last.get("accuracy"),
-        "job_elapsed_s": job["elapsed_s"],
-        "steps_per_s": round(job["steps"] / job["elapsed_s"], 1) if job["elapsed_s"] else None,
-        "workers_dead": [w["id"] for w in status["workers"] if w["state"] == "dead"],
-    }
-    if job.get("failure"):
-        outcome["failure"] = job["failure"]
-    if keep_serving:
-        progress.note(f"job {state}; servers keep serving on {address} (Ctrl-C to stop)")
-        while coordinator.returncode is None:
-            time.sleep(0.5)
-    return outcome
 
 
 def _stop_all(children: list[Child], wait_s: float) -> dict[str, int | None]:

@@ -25,6 +25,11 @@ class CoordinatorUnreachable(ConnectionError):
         self.address = address
 
 
+class LeaseRevoked(Exception):
+    """The coordinator no longer counts this worker as the task's holder (it was declared
+    dead meanwhile, or the coordinator forgot the task): register again."""
+
+
 @dataclass(frozen=True)
 class LeasedTask:
     task_id: int
@@ -104,11 +109,17 @@ class CoordinatorClient:
 
     def complete(self, worker_id: str, incarnation: int, task_id: int, *, loss_sum: float,
                  examples: int, correct: int, steps: int, seconds: float) -> bool:
-        """Report a task done; True if it had been reported already."""
-        reply = self._call("CompleteTask", pb.CompleteTaskRequest(
-            worker_id=worker_id, incarnation=incarnation, task_id=task_id,
-            metrics=pb.TaskMetrics(loss_sum=loss_sum, examples=examples, correct=correct,
-                                   steps=steps, seconds=seconds)))
+        """Report a task done; True if it had been reported already. Raises LeaseRevoked when
+        this incarnation no longer holds the task."""
+        try:
+            reply = self._call("CompleteTask", pb.CompleteTaskRequest(
+                worker_id=worker_id, incarnation=incarnation, task_id=task_id,
+                metrics=pb.TaskMetrics(loss_sum=loss_sum, examples=examples, correct=correct,
+                                       steps=steps, seconds=seconds)))
+        except RemoteError as error:
+            if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                raise LeaseRevoked(error.details()) from None
+            raise
         return reply.duplicate
 
     def status(self) -> dict:

@@ -26,7 +26,9 @@ from ps_common.job import JobSpec
 from ps_common.shardmap import Component, VariableSpec
 from ps_worker.backend import ArrayBackend, select_backend
 from ps_worker.client import PSClient
-from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable, LeasedTask
+from ps_worker.coordinator_client import (
+    CoordinatorClient, CoordinatorUnreachable, LeasedTask, LeaseRevoked,
+)
 from ps_worker.data import Dataset, iter_batches, load_dataset, task_indices
 from ps_worker.models import build_model
 
@@ -209,10 +211,14 @@ class Worker:
                           else trainer.evaluate(ps))
                 if self._interrupted():
                     continue
-                self._coordinator.complete(
-                    self.worker_id, self._incarnation, task.task_id,
-                    loss_sum=result.loss_sum, examples=result.examples, correct=result.correct,
-                    steps=result.steps, seconds=result.seconds)
+                try:
+                    self._coordinator.complete(
+                        self.worker_id, self._incarnation, task.task_id,
+                        loss_sum=result.loss_sum, examples=result.examples,
+                        correct=result.correct, steps=result.steps, seconds=result.seconds)
+                except LeaseRevoked as revoked:
+                    log.warning("task %d was taken back: %s", task.task_id, revoked)
+                    raise Fenced() from None
                 log.info("task %d (%s, epoch %d) done: %d steps, loss %.4f", task.task_id,
                          task.kind, task.epoch, result.steps,
                          result.loss_sum / max(1, result.examples))

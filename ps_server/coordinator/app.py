@@ -48,8 +48,12 @@ class CoordinatorConfig:
 class Coordinator:
     """A running ps-coordinator. Start with `start()` (or `with`); `stop()` is graceful."""
 
-    def __init__(self, config: CoordinatorConfig, *, clock: Clock | None = None, interceptors=()):
+    def __init__(self, config: CoordinatorConfig, *, clock: Clock | None = None, interceptors=(),
+                 on_job_over=lambda summary: None):
         self.config = config
+        # Called with the job's summary (JobRunner.summary) just before the coordinator
+        # shuts down at the end of a job.
+        self.on_job_over = on_job_over
         self.state = CoordinatorState(
             clock or SystemClock(), heartbeat_timeout_s=config.heartbeat_timeout_s,
             split_threshold_bytes=config.split_threshold_bytes)
@@ -92,6 +96,7 @@ class Coordinator:
             servers_left = [m for m in self.state.live_servers() if not m.told_to_stop]
             if not servers_left and self.runner.live_workers() == 0:
                 break
+        self.on_job_over(self.runner.summary())
         threading.Thread(target=self.stop, name="ps-coordinator-stop", daemon=True).start()
 
     def stop(self, grace_s: float | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         fail(parser, str(error))
         raise
     try:
-        coordinator = Coordinator(config).start()
+        coordinator = Coordinator(config, on_job_over=lambda summary: print(
+            f"ps-coordinator finished: {json.dumps(summary)}", flush=True)).start()
     except OSError as error:
         print(f"ps-coordinator: --host/--port: {error}", file=sys.stderr)
         return 1

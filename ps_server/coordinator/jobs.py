@@ -298,3 +298,25 @@ class JobRunner:
         with self._lock:
             self._reap()
             return sum(w.state is WorkerState.ALIVE for w in self._workers.values())
+
+    def summary(self) -> dict:
+        """The job's outcome as plain JSON-ready values (printed when the coordinator ends)."""
+        snap = self.snapshot()
+        last = snap["metrics"][-1] if snap["metrics"] else None
+
+        def number(value):
+            return None if value is None or value != value else value  # NaN -> None
+
+        return {
+            "state": snap["state"].value,
+            "epochs": snap["epoch"],
+            "steps": snap["steps"],
+            "loss": number(last.train.mean_loss) if last else None,
+            "accuracy": number(last.test.accuracy) if last and last.test else None,
+            "test_loss": number(last.test.mean_loss) if last and last.test else None,
+            "train_accuracy": number(last.train.accuracy) if last else None,
+            "job_elapsed_s": round(snap["elapsed_s"], 3),
+            "steps_per_s": round(snap["steps"] / snap["elapsed_s"], 1) if snap["elapsed_s"] else None,
+            "workers_dead": [w["worker_id"] for w in snap["workers"] if w["state"] == "dead"],
+            **({"failure": snap["failure"]} if snap["failure"] else {}),
+        }
