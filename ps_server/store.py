@@ -53,6 +53,7 @@ class ShardStore:
         self._shards: dict[tuple[str, int], HeldShard] = {}
         self._epoch = 0
         self._lock = threading.Lock()
+        self._assign_lock = threading.Lock()
 
     # ---- placement ---------------------------------------------------------------------
 
@@ -64,13 +65,12 @@ class ShardStore:
     def assign(self, epoch: int, specs: dict[str, VariableSpec], shards: list[Shard]) -> int:
         """Hold exactly `shards` from `epoch` on: create missing ones, drop unlisted ones.
 
-        Idempotent. An assignment older than the current epoch is ignored. Returns the number
-        of shards created.
+        Idempotent, and serialized: a repeated delivery of the same assignment (the
+        coordinator resends it while a large shard is still being initialized) waits for
+        the first and then finds every shard in place, so no shard is ever created twice and
+        no applied push is lost to a fresh copy. An assignment older than the current
+        epoch is ignored. Returns the number of shards created.
         """
-        with self._lock:
-            if epoch < self._epoch:
-                return 0
-            current = dict(self._shards)
         for shard in shards:
             spec = specs.get(shard.variable)
             if spec is None:
@@ -82,23 +82,26 @@ class ShardStore:
                     f"shard {shard.index} of {spec.name!r}: rows {shard.row_start}:"
                     f"{shard.row_stop} outside 0:{spec.rows}"
                 )
-        wanted = {s.key: s for s in shards}
-        created = {}
-        for key, shard in wanted.items():
-            held = current.get(key)
-            if held is not None and held.spec == specs[shard.variable] and held.shard == shard:
-                continue
-            spec = specs[shard.variable]
-            values = initialize_rows(spec, shard.row_start, shard.row_stop)
-            created[key] = HeldShard(
-                spec, shard, values, make_state(spec, values.shape), resolve_knobs(spec))
-        with self._lock:
-            if epoch < self._epoch:
-                return 0
-            self._shards = {
-                key: created.get(key) or self._shards.get(key) or current[key] for key in wanted
-            }
-            self._epoch = epoch
+        with self._assign_lock:
+            with self._lock:
+                if epoch < self._epoch:
+                    return 0
+                current = dict(self._shards)
+            wanted = {s.key: s for s in shards}
+            created = {}
+            for key, shard in wanted.items():
+                spec = specs[shard.variable]
+                held = current.get(key)
+                if held is not None and held.spec == spec and held.shard == shard:
+                    continue
+                # Initialization of a large shard takes seconds: outside the store lock, so
+                # pulls and pushes of other shards go on meanwhile.
+                values = initialize_rows(spec, shard.row_start, shard.row_stop)
+                created[key] = HeldShard(
+                    spec, shard, values, make_state(spec, values.shape), resolve_knobs(spec))
+            with self._lock:
+                self._shards = {key: created.get(key) or current[key] for key in wanted}
+                self._epoch = epoch
         if created:
             log.info("epoch %d: created %d shard(s), holding %d", epoch, len(created), len(wanted))
         return len(created)

@@ -10,7 +10,6 @@ import grpc
 import numpy as np
 import pytest
 
-from ps_common.errors import InvalidArgument
 from ps_common.tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc

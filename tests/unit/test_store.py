@@ -1,0 +1,52 @@
+"""ShardStore.assign under repeated delivery (the coordinator resends an assignment while a
+large shard is still being initialized)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+import ps_server.store as store_module
+from ps_common.shardmap import Component, Shard, VariableSpec
+from ps_server.store import ShardStore
+
+SPEC = VariableSpec("w", (8, 4), initializer=Component.of("zeros"),
+                    optimizer=Component.of({"name": "sgd", "lr": 1.0}))
+SHARDS = [Shard("w", 0, 0, 4, "s"), Shard("w", 1, 4, 8, "s")]
+
+
+def test_a_repeated_assignment_during_initialization_creates_nothing_twice(monkeypatch):
+    second_started = threading.Event()
+    real_initialize = store_module.initialize_rows
+
+    def slow_initialize(spec, start, stop):
+        second_started.wait(timeout=2.0)  # let the duplicate delivery arrive meanwhile
+        return real_initialize(spec, start, stop)
+
+    monkeypatch.setattr(store_module, "initialize_rows", slow_initialize)
+    store = ShardStore()
+    created = []
+    first = threading.Thread(target=lambda: created.append(store.assign(1, {"w": SPEC}, SHARDS)),
+                             name="assign-first")
+    first.start()
+
+    def second():
+        second_started.set()
+        created.append(store.assign(1, {"w": SPEC}, SHARDS))
+
+    duplicate = threading.Thread(target=second, name="assign-duplicate")
+    duplicate.start()
+    first.join(10)
+    duplicate.join(10)
+    assert sorted(created) == [0, 2]
+
+
+def test_an_applied_push_survives_a_repeated_assignment():
+    store = ShardStore()
+    store.assign(1, {"w": SPEC}, SHARDS)
+    targets = store.plan_push(1, [("w", 0)], [store_module.TensorMeta("float32", (4, 4))])
+    store.apply(targets, [np.ones((4, 4), np.float32)])
+    assert store.assign(1, {"w": SPEC}, SHARDS) == 0
+    (held,) = store.lookup([("w", 0)])
+    np.testing.assert_array_equal(held.values, -np.ones((4, 4), np.float32))
