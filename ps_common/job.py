@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -34,7 +35,7 @@ class JobSpec:
     epochs: int = 10
     batch_size: int = 32
     optimizer: str = "adam"
-    lr: float = 0.005
+    lr: float = 0.002
     mode: str = "async"
     seed: int = 0
     tasks_per_epoch: int = 8
@@ -55,7 +56,8 @@ class JobSpec:
         need(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size",
              "must be an integer >= 1")
         need(self.optimizer in OPTIMIZER_NAMES, "optimizer", f"must be one of {OPTIMIZER_NAMES}")
-        need(isinstance(self.lr, (int, float)) and self.lr > 0, "lr", "must be a number > 0")
+        need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "lr",
+             "must be a finite number > 0")
         need(self.mode in MODES, "mode",
              f"must be one of {MODES} (ssp and sync come with the consistency issue)")
         need(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an integer >= 0")
@@ -109,7 +111,8 @@ def _parse_hidden(value: Any, source: str) -> tuple[int, ...]:
                            field="hidden", problem=f"{value!r} is not like 128,64") from None
     if isinstance(value, (list, tuple)):
         return tuple(value)
-    raise JobError(f"{source}: job field 'hidden': {value!r} is not like 128,64")
+    raise JobError(f"{source}: job field 'hidden': {value!r} is not like 128,64",
+                   field="hidden", problem=f"{value!r} is not like 128,64")
 
 
 # ---- command line ------------------------------------------------------------------------
@@ -146,5 +149,6 @@ def job_from_args(args: argparse.Namespace) -> JobSpec | None:
         return JobSpec.from_mapping(values, source="job flags")
     except JobError as error:
         if error.field in given:  # name the flag as the user typed it
-            raise JobError(f"--{error.field.replace('_', '-')}: {error.problem}") from None
+            raise JobError(f"--{error.field.replace('_', '-')}: {error.problem}",
+                           field=error.field, problem=error.problem) from None
         raise

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
+from ps_common.status import RemoteError
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
 
 READY_TIMEOUT_S = 60.0
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ClusterError, CoordinatorUnreachable) as error:
         progress.note(f"ps-cluster: {error}")
         outcome = {"state": "failed", "error": str(error)}
+    except Exception as error:  # noqa: BLE001 - the JSON line is printed whatever happens
+        progress.note(f"ps-cluster: unexpected {type(error).__name__}: {error}")
+        outcome = {"state": "failed", "error": f"{type(error).__name__}: {error}"}
     finally:
         # After a job that ended on the coordinator, children exit by themselves: give them
         # time to. After an interrupt or an error, stop them at once.
@@ -241,8 +245,11 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
                                    f"before the job ended; see {coordinator.log_path}")
             try:
                 status = client.status()
-            except CoordinatorUnreachable:
-                continue  # exiting (checked above) or briefly busy
+            except (CoordinatorUnreachable, RemoteError):
+                # The coordinator is exiting (its summary is read at the top of the loop)
+                # or briefly busy; a persistent problem ends when the process does.
+                time.sleep(0.1)
+                continue
             progress.update(status)
             state = status["job"]["state"]
             if keep_serving and state in ("done", "failed"):

@@ -6,6 +6,7 @@ which `CoordinatorUnreachable` names the address.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -64,9 +65,17 @@ class CoordinatorClient:
 
     def _call(self, method: str, request):
         rpc = getattr(self._stub, method)
+        give_up_at = time.monotonic() + self._give_up_after_s
+
+        def attempt():
+            # A hung coordinator must not hold a call past give_up_after_s either.
+            remaining = give_up_at - time.monotonic()
+            if remaining <= 0:
+                raise RemoteError(grpc.StatusCode.DEADLINE_EXCEEDED, "gave up", target=self.address)
+            return rpc(request, timeout=min(self._timeout, remaining))
+
         try:
-            return call_with_retry(lambda: rpc(request, timeout=self._timeout),
-                                   target=self.address, policy=self._retry)
+            return call_with_retry(attempt, target=self.address, policy=self._retry)
         except RemoteError as error:
             if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CoordinatorUnreachable(self.address, self._give_up_after_s, error) from None

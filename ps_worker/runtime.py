@@ -177,9 +177,9 @@ class Worker:
                     self._serve_incarnation(trainer)
                     return 1 if self.lost_coordinator else 0
                 except Fenced:
-                    self._fenced.clear()
                     self._incarnation = self._coordinator.register_worker(
                         self.worker_id).incarnation
+                    self._fenced.clear()
                     log.warning("this worker was declared dead; re-registered as incarnation %d",
                                 self._incarnation)
         finally:

@@ -288,7 +288,7 @@ class JobRunner:
                     {**{k: getattr(w, k) for k in ("worker_id", "incarnation", "reason",
                                                    "tasks_done", "steps")},
                      "state": w.state.value, "heartbeat_age_s": now - w.last_heartbeat,
-                     "died_at_s": (w.died_at - self._started_at) if w.died_at else 0.0,
+                     "died_at_s": (w.died_at - self._started_at) if w.died_at is not None else 0.0,
                      "leased_tasks": sorted(w.leased)}
                     for w in self._workers.values()
                 ],

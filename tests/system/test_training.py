@@ -1,0 +1,559 @@
+"""The training runtime with real processes: ps-coordinator, ps-server, ps-worker, ps-cluster
+and ps-ctl, each started as `python -m MODULE` (so PATH does not matter) on OS-chosen ports.
+
+Faults are injected by signals: SIGKILL of a worker mid-task, SIGKILL of the coordinator,
+SIGSTOP/SIGCONT of a process to pause it. Every wait is bounded and every process a test
+starts is ended by the `launch` fixture, even when the test fails.
+
+Reading the final status: a coordinator that ran a job shuts down soon after the job ends,
+once every live worker and server has been told. To read the final status deterministically
+the tests register an *observer* with the coordinator: a worker that never leases a task and
+heartbeats only while the job runs. The coordinator waits for it as for any live worker,
+and the observer releases it (one heartbeat, answered 'stop') once the test has read the
+final status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ps_common.status import RemoteError
+from ps_worker.coordinator_client import CoordinatorClient, LeaseRevoked
+
+pytestmark = pytest.mark.system
+
+HEARTBEAT_S = 0.2
+HEARTBEAT_TIMEOUT_S = 2.0
+READY_S = 30.0  # a process prints its "listening on" line within this
+JOB_S = 60.0  # a job of these tests ends within this
+EXIT_S = 15.0  # a process told to finish exits within this
+REFUSE_S = 10.0  # a wrong address, dead coordinator or bad job is reported within this
+POLL_S = 0.05
+ACCURACY = 0.95
+OBSERVER = "test-observer"
+
+# Digits in 2 tasks per epoch (22 steps each), so that a worker nearly always holds a task.
+# lr 0.002 (the default): 0.005 ended below 0.95 held-out accuracy in about 1 run in 15, and
+# batches of 8 (longer tasks) in about 1 in 5; with these, 0.966 to 0.975 in 18 runs.
+SLOW_JOB = ["--tasks-per-epoch", "2", "--epochs", "10", "--lr", "0.002"]
+SLOW_JOB_TASKS = 10 * (2 + 1)
+
+
+# ---- processes ---------------------------------------------------------------------------
+
+class Proc:
+    """One child process (`python -m module args`), stdout and stderr in files."""
+
+    def __init__(self, name: str, module: str, args: list[str], directory: Path):
+        self.name = name
+        self.out_path = directory / f"{name}.out"
+        self.err_path = directory / f"{name}.err"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", module, *args], stdout=out, stderr=err,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def logs(self) -> str:
+        return (f"--- {self.name} (pid {self.pid}, exit {self.returncode}) stdout:\n"
+                f"{self.stdout()[-3000:]}\n--- stderr:\n{self.stderr()[-3000:]}")
+
+    def address(self, timeout: float = READY_S) -> str:
+        """HOST:PORT from the process's 'listening on HOST:PORT' line (bounded wait)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.stdout().splitlines():
+                if " listening on " in line:
+                    return line.rsplit(" ", 1)[-1]
+            if self.returncode is not None:
+                pytest.fail(f"{self.name} exited before it was ready\n{self.logs()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.name} not ready within {timeout:g} s\n{self.logs()}")
+            time.sleep(POLL_S)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.name} still running after {timeout:g} s\n{self.logs()}")
+
+    def signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """`launch(name, module, *args)` starts a process; all are ended after the test:
+    SIGCONT (in case a test paused one), SIGTERM, then SIGKILL after a bounded wait."""
+    started: list[Proc] = []
+
+    def start(name: str, module: str, *args: str) -> Proc:
+        proc = Proc(name, module, list(args), tmp_path)
+        started.append(proc)
+        return proc
+
+    yield start
+    alive = [p for p in started if p.returncode is None]
+    for proc in alive:
+        proc.signal(signal.SIGCONT)
+        proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10.0
+    for proc in alive:
+        try:
+            proc.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: only this process
+            except ProcessLookupError:
+                pass
+            proc.popen.wait(5.0)
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Command lines of live processes (other than this one) with an argument that is
+    `marker` or a path under it."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        if int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            state = next((line for line in (entry / "status").read_text().splitlines()
+                          if line.startswith("State:")), "")
+        except OSError:
+            continue
+        if any(a == marker or a.startswith(marker + "/") for a in argv) and \
+                "zombie" not in state:
+            found.append(f"{entry.name}: {' '.join(argv)}")
+    return found
+
+
+@pytest.fixture
+def closed_address():
+    """127.0.0.1:PORT where nothing listens: the port stays bound (not listening) by this
+    fixture for the test's duration, so nothing else can take it; connections are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+# ---- the cluster -------------------------------------------------------------------------
+
+class Observer:
+    """Reads the coordinator's status; registered as a worker that never leases, so the
+    coordinator cannot shut down before the observer has seen the end of the job."""
+
+    def __init__(self, address: str):
+        self.client = CoordinatorClient(address, give_up_after_s=5.0, rpc_timeout_s=5.0)
+        self.incarnation = self.client.register_worker(OBSERVER).incarnation
+        self._last_beat = time.monotonic()
+        self.released = False
+
+    def status(self) -> dict:
+        status = self.client.status()
+        if status["job"]["state"] == "running" and \
+                time.monotonic() - self._last_beat > HEARTBEAT_TIMEOUT_S / 4:
+            action = self.client.heartbeat(OBSERVER, self.incarnation)
+            self._last_beat = time.monotonic()
+            if action != "continue":
+                # The job ended since the status call (or the observer was fenced): register
+                # again, so that the coordinator waits for this observer once more.
+                self.incarnation = self.client.register_worker(OBSERVER).incarnation
+        return status
+
+    def release(self) -> None:
+        """Let the coordinator shut down (call once the final status has been read)."""
+        if not self.released:
+            self.released = True
+            self.client.heartbeat(OBSERVER, self.incarnation)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def workers_of(status: dict) -> dict[str, dict]:
+    return {w["id"]: w for w in status["workers"] if w["id"] != OBSERVER}
+
+
+def wait_for(observer: Observer, predicate, what: str, *, timeout: float = JOB_S,
+             watch: tuple[Proc, ...] = ()) -> dict:
+    """Poll status until `predicate(status)`; fail (bounded) with the last status and the
+    logs of `watch`, and at once if a watched process exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = observer.status()
+        if predicate(status):
+            return status
+        exited = [p for p in watch if p.returncode is not None]
+        if exited or time.monotonic() > deadline:
+            why = (f"{', '.join(p.name for p in exited)} exited" if exited
+                   else f"{timeout:g} s passed")
+            pytest.fail(f"{why} while waiting for {what}; status:\n"
+                        f"{json.dumps(status, indent=1)}\n" + "\n".join(p.logs() for p in watch))
+        time.sleep(POLL_S)
+
+
+def job_over(status: dict) -> bool:
+    return status["job"]["state"] in ("done", "failed")
+
+
+class Cluster:
+    def __init__(self, launch, job_args: list[str], *, servers: int = 2,
+                 coordinator_args: tuple[str, ...] = ()):
+        self.launch = launch
+        self.coordinator = launch(
+            "coordinator", "ps_server.coordinator.cli", "--port", "0",
+            "--heartbeat-interval", str(HEARTBEAT_S),
+            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), *coordinator_args, *job_args)
+        self.address = self.coordinator.address()
+        self.observer = Observer(self.address)
+        self.servers = [launch(
+            f"ps-{i}", "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}",
+            "--coordinator", self.address, "--heartbeat-interval", str(HEARTBEAT_S))
+            for i in range(servers)]
+        self.server_addresses = {f"ps-{i}": s.address() for i, s in enumerate(self.servers)}
+        wait_for(self.observer, lambda s: sum(v["state"] == "alive" for v in s["servers"])
+                 == servers, "the servers to register", timeout=READY_S,
+                 watch=(self.coordinator, *self.servers))
+        self.workers: dict[str, Proc] = {}
+
+    def start_worker(self, worker_id: str, *args: str) -> Proc:
+        proc = self.launch(worker_id, "ps_worker.cli", "--coordinator", self.address,
+                           "--worker-id", worker_id, "--device", "cpu", *args)
+        self.workers[worker_id] = proc
+        return proc
+
+    @property
+    def daemons(self) -> tuple[Proc, ...]:
+        return (self.coordinator, *self.servers)
+
+    def wait_until_over(self, *, watch: tuple[Proc, ...] = ()) -> dict:
+        """The final status (the job done or failed), read before the coordinator exits."""
+        return wait_for(self.observer, job_over, "the job to end",
+                        watch=(*self.daemons, *watch))
+
+    def finish(self) -> None:
+        self.observer.release()
+        self.observer.close()
+
+
+@pytest.fixture
+def cluster(launch):
+    """`cluster(job_args, ...)` -> a started Cluster (coordinator + servers, no workers)."""
+    made: list[Cluster] = []
+
+    def make(job_args: list[str], **kwargs) -> Cluster:
+        c = Cluster(launch, job_args, **kwargs)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.observer.close()
+
+
+def assert_exit_0(procs, timeout: float = EXIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    codes = {p.name: p.wait(max(0.1, deadline - time.monotonic())) for p in procs}
+    bad = [p for p in procs if codes[p.name] != 0]
+    assert not bad, f"exit codes {codes}\n" + "\n".join(p.logs() for p in bad)
+
+
+# ---- a. ps-cluster -----------------------------------------------------------------------
+
+def start_ps_cluster(launch, tmp_path, *args: str) -> tuple[Proc, str, Path]:
+    log_dir = tmp_path / "cluster-logs"
+    proc = launch("ps-cluster", "ps_worker.cluster", "--servers", "2", "--workers", "2",
+                  "--log-dir", str(log_dir), *args)
+    # The first line names the coordinator: "coordinator on HOST:PORT; logs in DIR".
+    deadline = time.monotonic() + READY_S
+    while not (lines := proc.stdout().splitlines()):
+        if proc.returncode is not None or time.monotonic() > deadline:
+            pytest.fail(f"ps-cluster did not start its coordinator\n{proc.logs()}")
+        time.sleep(POLL_S)
+    address = lines[0].split(" on ", 1)[1].split(";", 1)[0]
+    return proc, address, log_dir
+
+
+def test_ps_cluster_trains_digits_and_every_process_exits_0(launch, tmp_path):
+    """The default job: the README's main-job command, exactly."""
+    proc, address, log_dir = start_ps_cluster(launch, tmp_path)
+    assert proc.wait(JOB_S) == 0, proc.logs()
+    outcome = json.loads(proc.stdout().splitlines()[-1])
+    assert {"state", "epochs", "steps", "loss", "accuracy", "elapsed_s"} <= outcome.keys()
+    assert outcome["state"] == "done"
+    assert outcome["epochs"] == 10
+    assert outcome["steps"] > 0 and outcome["loss"] > 0 and outcome["elapsed_s"] > 0
+    assert outcome["accuracy"] >= ACCURACY, outcome
+    assert outcome["exit_codes"] == {"coordinator": 0, "server-0": 0, "server-1": 0,
+                                     "worker-0": 0, "worker-1": 0}
+    assert outcome["workers_dead"] == []
+    assert processes_mentioning(address) == []
+    assert processes_mentioning(str(log_dir)) == []
+
+
+def test_ps_cluster_reports_the_outcome_even_if_it_missed_the_end(launch, tmp_path):
+    """ps-cluster paused (SIGSTOP: e.g. descheduled on a busy machine) across the end of the
+    job still reports it: the job is done and every child exits 0."""
+    proc, address, log_dir = start_ps_cluster(launch, tmp_path, "--epochs", "2", "--lr", "0.002")
+    observer = Observer(address)
+    try:
+        wait_for(observer, lambda s: len(workers_of(s)) == 2, "ps-cluster's workers",
+                 timeout=READY_S, watch=(proc,))
+        proc.signal(signal.SIGSTOP)
+        wait_for(observer, job_over, "the job to end")
+        observer.release()
+    finally:
+        observer.close()
+    # Until the coordinator has exited (a zombie: its parent, ps-cluster, is paused).
+    job_file = str(log_dir / "job.json")
+    deadline = time.monotonic() + EXIT_S
+    while processes_mentioning(job_file):
+        assert time.monotonic() < deadline, processes_mentioning(job_file)
+        time.sleep(POLL_S)
+    proc.signal(signal.SIGCONT)
+    code = proc.wait(JOB_S)
+    outcome = json.loads(proc.stdout().splitlines()[-1])
+    assert outcome["state"] == "done", outcome
+    assert outcome["epochs"] == 2 and outcome["accuracy"] is not None
+    assert set(outcome["exit_codes"].values()) == {0}, outcome
+    assert code == 0
+
+
+# ---- b. a worker killed mid-task ---------------------------------------------------------
+
+def test_worker_killed_mid_task_its_task_is_rerun_and_the_job_completes(cluster):
+    c = cluster(SLOW_JOB)
+    w0, w1 = c.start_worker("w0"), c.start_worker("w1")
+    # w0 mid-job and mid-task: it has finished a task and holds another.
+    status = wait_for(c.observer, lambda s: workers_of(s).get("w0", {}).get("tasks_done", 0) >= 1
+                      and workers_of(s)["w0"]["leased_tasks"], "w0 to hold a task",
+                      watch=(*c.daemons, w0, w1))
+    killed_task = workers_of(status)["w0"]["leased_tasks"][0]
+    w0_done = workers_of(status)["w0"]["tasks_done"]
+    w0.signal(signal.SIGKILL)
+    assert w0.wait(EXIT_S) == -signal.SIGKILL
+
+    status = c.wait_until_over(watch=(w1,))
+    job, workers = status["job"], workers_of(status)
+    assert job["state"] == "done", job
+    assert job["tasks_done"] == job["tasks_total"] == SLOW_JOB_TASKS
+    assert workers["w0"]["state"] == "dead"
+    assert workers["w0"]["reason"]
+    assert workers["w0"]["died_at_s"] is not None and workers["w0"]["died_at_s"] > 0
+    assert workers["w0"]["leased_tasks"] == []
+    # Every task was completed once, and w0 completed none after it was killed: the task it
+    # held (killed_task, or one it took just before the kill landed) was run by w1.
+    assert workers["w0"]["tasks_done"] + workers["w1"]["tasks_done"] == job["tasks_total"]
+    assert workers["w0"]["tasks_done"] in (w0_done, w0_done + 1)  # + task it just finished?
+    assert workers["w1"]["tasks_done"] > 0, f"task {killed_task} was never re-run"
+    assert [m["epoch"] for m in job["metrics"]] == list(range(1, 11))
+    assert all(m["test_accuracy"] is not None for m in job["metrics"])
+    assert job["metrics"][-1]["test_accuracy"] >= ACCURACY, job["metrics"]
+    c.finish()
+    assert_exit_0((w1, *c.daemons))
+
+
+# ---- c. a late worker --------------------------------------------------------------------
+
+def test_late_worker_joins_and_gets_tasks(cluster):
+    c = cluster(["--tasks-per-epoch", "4", "--batch-size", "8", "--epochs", "5", "--lr", "0.002"])
+    first = c.start_worker("first")
+    status = wait_for(c.observer, lambda s: bool(s["job"]["metrics"]) and
+                      s["job"]["metrics"][0]["test_accuracy"] is not None,
+                      "epoch 1's evaluation", watch=(*c.daemons, first))
+    assert status["job"]["state"] == "running"
+    late = c.start_worker("late")
+    status = c.wait_until_over(watch=(first,))
+    assert status["job"]["state"] == "done"
+    workers = workers_of(status)
+    assert workers["late"]["tasks_done"] > 0, workers
+    assert workers["late"]["steps"] > 0
+    assert workers["first"]["tasks_done"] + workers["late"]["tasks_done"] == \
+        status["job"]["tasks_total"]
+    c.finish()
+    assert_exit_0((first, late, *c.daemons))
+
+
+# ---- d. wrong addresses, dead coordinators, bad jobs -------------------------------------
+
+def test_wrong_addresses_and_bad_jobs_are_refused_naming_what_is_wrong(
+        launch, tmp_path, closed_address):
+    unknown_key = tmp_path / "unknown-key.yaml"
+    unknown_key.write_text("epochs: 2\nlearning_rate: 0.1\n")
+    bad_value = tmp_path / "bad-value.yaml"
+    bad_value.write_text("epochs: 2\nbatch_size: 0\n")
+    missing = tmp_path / "missing.yaml"
+    cases = {  # name: (module, args, what stderr must name)
+        "ctl-closed-port": ("ps_worker.ctl", ["--coordinator", closed_address,
+                                              "--timeout", "1", "status"], closed_address),
+        "worker-closed-port": ("ps_worker.cli", ["--coordinator", closed_address,
+                                                 "--coordinator-timeout", "1",
+                                                 "--device", "cpu"], closed_address),
+        "cluster-epochs-0": ("ps_worker.cluster", ["--epochs", "0"], "--epochs"),
+        "coordinator-missing-job": ("ps_server.coordinator.cli",
+                                    ["--port", "0", "--job", str(missing)], str(missing)),
+        "coordinator-unknown-key": ("ps_server.coordinator.cli",
+                                    ["--port", "0", "--job", str(unknown_key)], "learning_rate"),
+        "coordinator-bad-value": ("ps_server.coordinator.cli",
+                                  ["--port", "0", "--job", str(bad_value)], "batch_size"),
+        "coordinator-bad-flag": ("ps_server.coordinator.cli",
+                                 ["--port", "0", "--batch-size", "-1"], "--batch-size"),
+        "cluster-unknown-key": ("ps_worker.cluster", ["--job", str(unknown_key)],
+                                "learning_rate"),
+    }
+    started = time.monotonic()
+    procs = {name: launch(name, module, *args) for name, (module, args, _) in cases.items()}
+    for name, proc in procs.items():
+        code = proc.wait(max(0.1, started + REFUSE_S - time.monotonic()))
+        assert code != 0, proc.logs()
+        assert cases[name][2] in proc.stderr(), proc.logs()
+        assert " listening on " not in proc.stdout(), proc.logs()
+    assert time.monotonic() - started < REFUSE_S
+
+
+def test_worker_gives_up_on_a_dead_coordinator_naming_its_address(cluster):
+    c = cluster(SLOW_JOB)
+    worker = c.start_worker("w0", "--coordinator-timeout", "2")
+    wait_for(c.observer, lambda s: bool(workers_of(s).get("w0", {}).get("leased_tasks")),
+             "w0 to hold a task", watch=(*c.daemons, worker))
+    c.coordinator.signal(signal.SIGKILL)
+    assert worker.wait(REFUSE_S) != 0
+    assert c.address in worker.stderr(), worker.logs()
+
+
+def test_worker_gives_up_on_a_hung_coordinator_within_its_timeout(cluster):
+    c = cluster(SLOW_JOB)
+    timeout_s = 2.0
+    worker = c.start_worker("w0", "--coordinator-timeout", str(timeout_s))
+    wait_for(c.observer, lambda s: bool(workers_of(s).get("w0", {}).get("leased_tasks")),
+             "w0 to hold a task", watch=(*c.daemons, worker))
+    c.coordinator.signal(signal.SIGSTOP)  # the fault: it hangs, connections stay open
+    code = worker.wait(timeout_s + 3.0)
+    assert code != 0
+    assert c.address in worker.stderr(), worker.logs()
+
+
+# ---- e. ps-ctl ---------------------------------------------------------------------------
+
+def test_ps_ctl_status_shows_every_worker_and_server(cluster, launch):
+    c = cluster(["--epochs", "1", "--tasks-per-epoch", "2"], coordinator_args=("--keep-serving",))
+    workers = [c.start_worker(w) for w in ("alpha-worker", "beta-worker")]
+    wait_for(c.observer, lambda s: s["job"]["state"] == "done" and all(
+        w["state"] == "done" for w in workers_of(s).values()) and len(workers_of(s)) == 2,
+        "the job to end", watch=c.daemons)
+    assert_exit_0(workers)
+    text = launch("ctl-text", "ps_worker.ctl", "--coordinator", c.address, "status")
+    as_json = launch("ctl-json", "ps_worker.ctl", "--coordinator", c.address, "status", "--json")
+    assert text.wait(REFUSE_S) == 0, text.logs()
+    assert as_json.wait(REFUSE_S) == 0, as_json.logs()
+    report = text.stdout()
+    for name in ("alpha-worker", "beta-worker", "ps-0", "ps-1", *c.server_addresses.values()):
+        assert name in report, report
+    status = json.loads(as_json.stdout())
+    assert set(workers_of(status)) == {"alpha-worker", "beta-worker"}
+    assert {s["id"]: s["address"] for s in status["servers"]} == c.server_addresses
+    assert status["job"]["state"] == "done"
+    # --keep-serving: the daemons stay up after the job and stop gracefully on SIGTERM.
+    assert all(p.returncode is None for p in c.daemons)
+    c.finish()
+    for proc in c.daemons:
+        proc.signal(signal.SIGTERM)
+    assert_exit_0(c.daemons)
+
+
+# ---- fencing -----------------------------------------------------------------------------
+
+def test_workers_fenced_mid_task_register_again_and_finish_the_job(cluster):
+    """The coordinator paused (SIGSTOP) for longer than the heartbeat timeout declares every
+    worker dead when it resumes; each worker is then in the middle of reporting a task and
+    is refused. Each must register again under a new incarnation and the job complete."""
+    c = cluster(SLOW_JOB)
+    workers = {w: c.start_worker(w) for w in ("w0", "w1")}
+    status = wait_for(c.observer, lambda s: len(workers_of(s)) == 2 and all(
+        w["leased_tasks"] for w in workers_of(s).values()), "both workers to hold a task",
+        watch=(*c.daemons, *workers.values()))
+    first = {w: row["incarnation"] for w, row in workers_of(status).items()}
+    c.coordinator.signal(signal.SIGSTOP)
+    time.sleep(HEARTBEAT_TIMEOUT_S + 1.5)  # the fault: a pause longer than the timeout
+    c.coordinator.signal(signal.SIGCONT)
+    status = c.wait_until_over(watch=tuple(workers.values()))
+    assert status["job"]["state"] == "done"
+    rows = workers_of(status)
+    assert all(rows[w]["incarnation"] > first[w] for w in workers), rows
+    assert status["job"]["metrics"][-1]["test_accuracy"] >= ACCURACY
+    c.finish()
+    assert_exit_0((*workers.values(), *c.daemons))
+
+
+def test_duplicate_reports_change_nothing_and_fenced_incarnations_must_reregister(launch):
+    """The worker protocol over the wire, with this test as the worker (no servers needed:
+    it reports tasks without running them)."""
+    coordinator = launch("coordinator", "ps_server.coordinator.cli", "--port", "0",
+                         "--heartbeat-interval", str(HEARTBEAT_S), "--heartbeat-timeout",
+                         str(HEARTBEAT_TIMEOUT_S), "--epochs", "1", "--tasks-per-epoch", "2")
+    address = coordinator.address()
+    metrics = dict(loss_sum=4.0, examples=8, correct=6, steps=2, seconds=0.1)
+    with CoordinatorClient(address, give_up_after_s=5.0, rpc_timeout_s=5.0) as client:
+        first = client.register_worker("solo")
+        assert first.job is not None and first.job.tasks_per_epoch == 2
+        outcome, task = client.lease("solo", first.incarnation)
+        assert (outcome, task.kind, task.epoch) == ("task", "train", 1)
+        assert client.complete("solo", first.incarnation, task.task_id, **metrics) is False
+        before = client.status()["job"]
+        assert client.complete("solo", first.incarnation, task.task_id,
+                               **{**metrics, "steps": 99, "examples": 1}) is True
+        after = client.status()["job"]
+        assert (before["tasks_done"], before["steps"]) == (1, 2)
+        assert (after["tasks_done"], after["steps"], after["metrics"]) == (
+            before["tasks_done"], before["steps"], before["metrics"])
+
+        outcome, held = client.lease("solo", first.incarnation)
+        assert outcome == "task"
+        second = client.register_worker("solo")  # the same id again fences the first
+        assert second.incarnation > first.incarnation
+        assert client.heartbeat("solo", first.incarnation) == "reregister"
+        assert client.lease("solo", first.incarnation) == ("reregister", None)
+        with pytest.raises(LeaseRevoked):
+            client.complete("solo", first.incarnation, held.task_id, **metrics)
+        assert client.status()["job"]["tasks_done"] == 1
+        assert client.heartbeat("solo", second.incarnation) == "continue"
+        outcome, again = client.lease("solo", second.incarnation)
+        assert (outcome, again.task_id) == ("task", held.task_id)
+        assert client.complete("solo", second.incarnation, again.task_id, **metrics) is False
+        status = client.status()
+        assert status["job"]["tasks_done"] == 2
+        assert workers_of(status)["solo"]["incarnation"] == second.incarnation
+        # The job finishes with its evaluation; the coordinator then tells us and exits.
+        outcome, evaluation = client.lease("solo", second.incarnation)
+        assert (outcome, evaluation.kind) == ("task", "evaluate")
+        client.complete("solo", second.incarnation, evaluation.task_id,
+                        **{**metrics, "steps": 0})
+        assert client.status()["job"]["state"] == "done"
+        assert client.lease("solo", second.incarnation) == ("done", None)
+    assert_exit_0((coordinator,))
