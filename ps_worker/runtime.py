@@ -107,10 +107,8 @@ class Trainer:
             if step + 1 < len(batches):
                 upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
             params = self._on_device(host)
-            loss, grads = self.model.loss_and_grads(params, (x, y))
-            if hasattr(self.model, "evaluate"):
-                _, correct = self.model.evaluate(params, (x, y))
-                result.correct += int(correct)
+            loss, grads, correct = self._step(params, (x, y))
+            result.correct += correct
             host_grads = {n: self.backend.to_host(g) for n, g in grads.items()}
             self.backend.synchronize()
             ps.push_async(host_grads)
@@ -120,6 +118,15 @@ class Trainer:
         ps.flush()  # the task counts as done only once its updates have landed
         result.seconds = time.monotonic() - started
         return result
+
+    def _step(self, params: dict, batch) -> tuple[float, dict, int]:
+        """(loss, grads, rows classified right): in one pass where the model offers it,
+        else with a second forward pass through `evaluate`, else without accuracy (0)."""
+        if hasattr(self.model, "loss_grads_and_correct"):
+            return self.model.loss_grads_and_correct(params, batch)
+        loss, grads = self.model.loss_and_grads(params, batch)
+        correct = self.model.evaluate(params, batch)[1] if hasattr(self.model, "evaluate") else 0
+        return loss, grads, int(correct)
 
     def evaluate(self, ps: PSClient) -> TaskResult:
         started = time.monotonic()

@@ -54,10 +54,19 @@ class MLP:
     def loss_and_grads(
         self, params: Mapping[str, Any], batch: tuple[Any, Any]
     ) -> tuple[float, dict[str, Any]]:
+        loss, grads, _ = self.loss_grads_and_correct(params, batch)
+        return loss, grads
+
+    def loss_grads_and_correct(
+        self, params: Mapping[str, Any], batch: tuple[Any, Any]
+    ) -> tuple[float, dict[str, Any], int]:
+        """``loss_and_grads`` plus how many rows the forward pass classified right, so the
+        training loop gets accuracy without a second forward pass."""
         x, labels = self._inputs(params, batch)
         if x.shape[0] == 0:
             raise ValueError("loss_and_grads needs a non-empty batch")
         layer_inputs, logits = self._forward(params, x)
+        correct = int((logits.argmax(axis=1) == labels).sum())
         loss, grad_out = mean_softmax_cross_entropy_and_grad(logits, labels)
         grads: dict[str, Any] = {}
         for layer in reversed(range(len(self._layer_shapes))):
@@ -69,7 +78,7 @@ class MLP:
                 # The input is a ReLU output, positive exactly where the ReLU was active.
                 grad_in *= layer_input > 0
                 grad_out = grad_in
-        return loss, grads
+        return loss, grads, correct
 
     def evaluate(self, params: Mapping[str, Any], batch: tuple[Any, Any]) -> tuple[float, int]:
         x, labels = self._inputs(params, batch)

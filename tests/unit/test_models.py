@@ -178,3 +178,19 @@ def test_initial_values_follow_initializers_and_are_deterministic() -> None:
     assert values["n"].mean() == pytest.approx(1.0, abs=0.02)
     np.testing.assert_array_equal(initial_values(variables, seed=5)["k"], values["k"])
     assert not np.array_equal(initial_values(variables, seed=6)["k"], values["k"])
+
+
+@pytest.mark.parametrize("name", ["logreg", "mlp"])
+def test_loss_grads_and_correct_agrees_with_loss_and_grads_and_evaluate(name: str) -> None:
+    data = load_dataset("digits")
+    model = build_model(name, num_features=data.num_features, num_classes=data.num_classes,
+                        hidden=(16,))
+    params = _random_params(model, np.random.default_rng(1))
+    batch = (data.x_train[:64], data.y_train[:64])
+    loss, grads, correct = model.loss_grads_and_correct(params, batch)
+    expected_loss, expected_grads = model.loss_and_grads(params, batch)
+    loss_sum, expected_correct = model.evaluate(params, batch)
+    assert loss == pytest.approx(expected_loss) == pytest.approx(loss_sum / 64)
+    assert correct == expected_correct
+    for key, grad in expected_grads.items():
+        np.testing.assert_allclose(grads[key], grad)
