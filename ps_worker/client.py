@@ -105,6 +105,7 @@ class PSClient:
         self._coordinator_channel = make_channel(coordinator)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channel)
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, ps_grpc.ParameterServerStub] = {}
         self._map: ShardMap | None = None
         # Exactly-once bookkeeping, per server: last sequence issued, and those finished.
         self._next_seq: dict[str, int] = {}
@@ -136,6 +137,7 @@ class PSClient:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+            self._stubs.clear()
         self._coordinator_channel.close()
 
     def __enter__(self) -> "PSClient":
@@ -303,7 +305,7 @@ class PSClient:
             wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0,
         )
         nbytes = sum(d.nbytes for d in destinations)
-        stub = ps_grpc.ParameterServerStub(self._channel(shard_map.servers[server_id]))
+        stub = self._stub(shard_map.servers[server_id])
 
         def attempt():
             assembler = StreamAssembler(destinations, what=f"pull from {server_id}")
@@ -438,7 +440,7 @@ class PSClient:
     def _push_to(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece]) -> None:
         sequence = self._issue_sequence(server_id)
         try:
-            stub = ps_grpc.ParameterServerStub(self._channel(shard_map.servers[server_id]))
+            stub = self._stub(shard_map.servers[server_id])
             sizes = [p.grad.nbytes for p in pieces]
             readers = [array_reader(p.grad, p.wire_dtype) for p in pieces]
 
@@ -484,12 +486,14 @@ class PSClient:
 
     # ---- plumbing ----------------------------------------------------------------------
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def _stub(self, address: str) -> ps_grpc.ParameterServerStub:
+        """One channel and one stub per server address, made once (a stub costs ~40 us)."""
         with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
+            stub = self._stubs.get(address)
+            if stub is None:
                 channel = self._channels[address] = make_channel(address)
-            return channel
+                stub = self._stubs[address] = ps_grpc.ParameterServerStub(channel)
+            return stub
 
     def _deadline(self, nbytes: int) -> float:
         return self._timeout_s + self._timeout_per_gib_s * nbytes / 2**30
