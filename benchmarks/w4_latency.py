@@ -1,0 +1,104 @@
+"""W4 latency: 1 server holding a 256-float32 (1 KiB) variable; 1 client pulls it back to back.
+
+Beside it, in the same run, the baseline: a bare grpcio unary call (echo) of the same 1 KiB,
+and, to separate the cost of the RPC shape from the library's, a bare unary-stream call
+returning the same 1 KiB in one message (Pull's shape). Every series is timed after a
+warm-up, and the series alternate in blocks so that all see the same machine load.
+Latencies are in microseconds.
+
+    python benchmarks/w4_latency.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bare_grpc
+import harness
+
+from ps_worker import PSClient
+
+NAME = "w4"
+ELEMENTS = 256
+
+
+def _summary(latencies_us: list[float]) -> dict:
+    return {"count": len(latencies_us), "p50_us": harness.percentile(latencies_us, 50),
+            "p99_us": harness.percentile(latencies_us, 99),
+            "mean_us": float(np.mean(latencies_us)), "max_us": latencies_us[-1]}
+
+
+def interleaved(series: dict, calls: int, warmup: int, blocks: int) -> dict[str, list[float]]:
+    """Sorted latencies (us) of `calls` calls of each series, after `warmup` calls of each,
+    taken in `blocks` rounds that visit every series in turn (so all see the same drift)."""
+    out: dict[str, list[float]] = {name: [] for name in series}
+    for call in series.values():
+        for _ in range(warmup):
+            call()
+    clock = time.perf_counter_ns
+    for block in range(blocks):
+        count = calls // blocks + (1 if block < calls % blocks else 0)
+        for name, call in series.items():
+            times = out[name]
+            for _ in range(count):
+                t0 = clock()
+                call()
+                times.append((clock() - t0) / 1e3)
+    for times in out.values():
+        times.sort()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=5000, help="timed calls per series (default 5000)")
+    p.add_argument("--warmup", type=int, default=500, help="untimed calls first (default 500)")
+    p.add_argument("--blocks", type=int, default=10,
+                   help="the series alternate in this many blocks of calls (default 10)")
+    args = p.parse_args(argv)
+    if args.calls < 1 or args.warmup < 0 or not 1 <= args.blocks <= args.calls:
+        p.error("--calls must be >= 1, --warmup >= 0 and --blocks in 1..calls")
+    nbytes = 4 * ELEMENTS
+    # Bounded: startup plus three series at <= 10 ms per call.
+    bound = 120 + 3 * (args.calls + args.warmup) * 0.01
+    with harness.bounded(bound, "w4_latency"), \
+            harness.cluster(1, log_level="warning") as c, harness.ProcessGroup() as group:
+        bare_server = bare_grpc.start_server(group)
+        with PSClient(c.address) as client, bare_grpc.BareClient(bare_server.address) as bare:
+            client.declare(NAME, (ELEMENTS,), "float32", init="normal", seed=4)
+            expected = client.pull(NAME)
+            payload = bytes(nbytes)
+            series = {"paramserve": lambda: client.pull(NAME),
+                      "bare_unary": lambda: bare.echo(payload),
+                      "bare_unary_stream": lambda: bare.download(nbytes, nbytes)}
+            latencies = interleaved(series, args.calls, args.warmup, args.blocks)
+            if not np.array_equal(client.pull(NAME), expected):
+                raise RuntimeError("pulled values changed without a push")
+    ps, unary, stream = (latencies[k] for k in series)
+    record = {"value_bytes": nbytes, "paramserve": _summary(ps),
+              "bare_unary": _summary(unary), "bare_unary_stream": _summary(stream)}
+    record["ratio_p50"] = record["paramserve"]["p50_us"] / record["bare_unary"]["p50_us"]
+    record["ratio_p99"] = record["paramserve"]["p99_us"] / record["bare_unary"]["p99_us"]
+
+    def line(s: dict) -> str:
+        return (f"p50 {s['p50_us']:7.0f}  p99 {s['p99_us']:7.0f}  mean {s['mean_us']:7.0f}  "
+                f"max {s['max_us']:7.0f} us")
+
+    rows = [("series", f"{args.calls} calls each after {args.warmup} warm-up, 1 KiB"),
+            ("paramserve pull", line(record["paramserve"])),
+            ("bare unary echo", line(record["bare_unary"])),
+            ("bare unary-stream", line(record["bare_unary_stream"])),
+            ("ratio to bare unary", f"p50 {record['ratio_p50']:.2f}x  p99 {record['ratio_p99']:.2f}x"),
+            ("ratio to bare stream", f"p50 {record['paramserve']['p50_us'] / record['bare_unary_stream']['p50_us']:.2f}x")]
+    harness.report("W4 latency", rows, record)
+    return 0
+
+
+if __name__ == "__main__":
+    harness.run_main(main)
