@@ -128,12 +128,17 @@ def array_reader(values: np.ndarray, wire_dtype: str, lock=None) -> ByteReader:
     """A reader over `values` encoded as `wire_dtype`, converting only the elements asked for.
 
     With `lock`, each read copies under it, so a chunk never shows a half-applied update.
+    Without one, reads in the stored dtype are zero-copy views (the caller keeps `values`
+    unchanged until the stream is sent).
     """
     flat = values.reshape(-1)
     same = flat.dtype == _WIRE[wire_dtype][1] and flat.flags.c_contiguous
     step = wire_itemsize(wire_dtype)
+    raw = memoryview(flat.view(np.uint8)) if same and lock is None else None
 
     def read(offset: int, length: int) -> bytes:
+        if raw is not None:
+            return raw[offset:offset + length]
         first, last = offset // step, -(-(offset + length) // step)
         if lock is not None:
             lock.acquire()
@@ -221,3 +226,88 @@ class StreamAssembler:
             raise InvalidArgument(
                 f"{self._what}: stream ended after {self.received} of {self.expected} bytes"
             )
+
+
+# ---- chunk messages ---------------------------------------------------------------------
+#
+# PullChunk and PushChunk (field 1: header message, field 2: data bytes) are encoded and
+# decoded here by hand, in protobuf's own wire format, because the generic protobuf path is
+# slow for large bytes fields: building and serializing a message around a 2 MiB chunk
+# takes ~3 ms where one join takes ~50 us, and parsing copies the bytes once more. Any
+# protobuf implementation reads and writes these messages unchanged.
+
+_HEADER_TAG = b"\x0a"  # field 1, length-delimited
+_DATA_TAG = b"\x12"  # field 2, length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(view) or shift > 63:
+            raise InvalidArgument("malformed chunk message: truncated or overlong varint")
+        byte = view[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def encode_chunk(header: bytes | None, data) -> bytes:
+    """A serialized chunk message: `header` (serialized header message) and raw `data`."""
+    parts = []
+    if header is not None:
+        parts += [_HEADER_TAG, _varint(len(header)), header]
+    if len(data):
+        parts += [_DATA_TAG, _varint(len(data)), data]
+    return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A decoded chunk message: the header's serialized bytes (or None) and a view of data."""
+
+    header: memoryview | None
+    data: memoryview
+
+
+def decode_chunk(raw: bytes) -> Chunk:
+    """Parse a chunk message without copying its data. Unknown fields are skipped, as
+    protobuf does; a malformed message raises InvalidArgument."""
+    view = memoryview(raw)
+    header, data = None, view[0:0]
+    pos = 0
+    while pos < len(view):
+        key, pos = _read_varint(view, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 2:
+            length, pos = _read_varint(view, pos)
+            if pos + length > len(view):
+                raise InvalidArgument("malformed chunk message: a field runs past its end")
+            value = view[pos:pos + length]
+            pos += length
+            if field == 1:
+                header = value
+            elif field == 2:
+                data = value
+        elif wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        else:
+            raise InvalidArgument(f"malformed chunk message: wire type {wire_type}")
+    if pos != len(view):
+        raise InvalidArgument("malformed chunk message: truncated field")
+    return Chunk(header, data)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import grpc
 
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, check_chunk_bytes, make_channel
-from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc, parameter_server_pb2_grpc
+from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_server.daemon import Daemon
 from ps_server.ledger import PushLedger
-from ps_server.servicer import ParameterServerServicer
+from ps_server.servicer import ParameterServerServicer, add_to_server
 from ps_server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,7 @@ class ParameterServer:
         servicer = ParameterServerServicer(self.store, self.ledger, chunk_bytes=config.chunk_bytes)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
-            add_servicers=lambda s: parameter_server_pb2_grpc.add_ParameterServerServicer_to_server(
-                servicer, s),
+            add_servicers=lambda s: add_to_server(servicer, s),
             interceptors=interceptors, max_workers=config.max_workers,
         )
         self.bound_address, self.port = self._daemon.address, self._daemon.port

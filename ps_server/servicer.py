@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from ps_common.errors import InvalidArgument
 from ps_common.status import translate_errors
 from ps_common.tensors import (
-    StreamAssembler, TensorMeta, array_reader, dtype_from_proto, iter_chunks, view_bytes,
+    Chunk, StreamAssembler, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
+    encode_chunk, iter_chunks, view_bytes,
 )
 from ps_common.wire import shard_from_proto, spec_from_proto
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -37,15 +40,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             sizes = [meta.nbytes for _, meta in plan]
             readers = [array_reader(held.values, meta.dtype, held.lock) for held, meta in plan]
             for i, piece in enumerate(iter_chunks(sizes, readers, self._chunk_bytes)):
-                yield pb.PullChunk(header=header, data=piece) if i == 0 else pb.PullChunk(data=piece)
+                yield encode_chunk(header.SerializeToString() if i == 0 else None, piece)
 
     def Push(self, request_iterator, context):
+        """`request_iterator` yields decoded `Chunk`s (see `add_to_server`)."""
         with translate_errors(context, "Push"):
-            chunks = iter(request_iterator)
-            first = next(chunks, None)
-            if first is None or not first.HasField("header"):
+            chunks = map(_checked, request_iterator)
+            first: Chunk | None = next(chunks, None)
+            if first is None or first.header is None:
                 raise InvalidArgument("a push stream must start with a chunk carrying its header")
-            h = first.header
+            try:
+                h = pb.PushHeader.FromString(first.header)
+            except DecodeError:
+                raise InvalidArgument("malformed push header") from None
             if not h.client_id or h.sequence < 1:
                 raise InvalidArgument(
                     "push header needs a client_id and a sequence >= 1 (exactly-once identity)")
@@ -58,7 +65,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 assembler = StreamAssembler(buffers, what="push")
                 assembler.write(first.data)
                 for chunk in chunks:
-                    if chunk.HasField("header"):
+                    if chunk.header is not None:
                         raise InvalidArgument("push stream carries a second header")
                     assembler.write(chunk.data)
                 assembler.finish()
@@ -88,3 +95,41 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             shards = [shard_from_proto(s) for s in request.shards]
             created = self._store.assign(request.epoch, specs, shards)
             return pb.AssignShardsReply(shards_created=created)
+
+
+def _checked(chunk: Chunk | InvalidArgument) -> Chunk:
+    if isinstance(chunk, InvalidArgument):
+        raise chunk
+    return chunk
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+def _decode_push_chunk(raw: bytes) -> Chunk | InvalidArgument:
+    # A deserializer's exception would end the call as INTERNAL; a malformed message must
+    # end it with INVALID_ARGUMENT, so the error travels to Push as a value.
+    try:
+        return decode_chunk(raw)
+    except InvalidArgument as error:
+        return error
+
+
+def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """Register the servicer with the chunk codec of ps_common.tensors on the data path
+    (the generated add_..._to_server would build and parse protobuf messages around every
+    chunk, which costs more than moving its bytes). The wire format is unchanged."""
+    handlers = {
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=pb.PullRequest.FromString,
+            response_serializer=_identity),
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=_decode_push_chunk,
+            response_serializer=pb.PushReply.SerializeToString),
+        "AssignShards": grpc.unary_unary_rpc_method_handler(
+            servicer.AssignShards, request_deserializer=pb.AssignShardsRequest.FromString,
+            response_serializer=pb.AssignShardsReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("ps.v1.ParameterServer", handlers),))

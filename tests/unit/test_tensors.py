@@ -215,8 +215,8 @@ def test_array_reader_arbitrary_ranges_match_the_encoding(source_dtype, wire):
     ranges += [tuple(sorted(rng.integers(0, n + 1, size=2).tolist())) for _ in range(50)]
     for a, b in ranges:
         got = read(a, b - a)
-        assert isinstance(got, bytes)
-        assert got == encoded[a:b], (a, b)
+        assert isinstance(got, (bytes, memoryview))  # a zero-copy view without a lock
+        assert bytes(got) == encoded[a:b], (a, b)
 
 
 def test_array_reader_same_dtype_reads_current_values_with_lock():
@@ -288,3 +288,49 @@ def test_view_bytes_is_a_zero_copy_view_of_a_bytearray():
     assert np.array_equal(view, values) and view.flags.writeable
     view[0, 0] = 42.0
     assert np.frombuffer(buf, dtype=np.float32)[0] == 42.0
+
+
+# ---- chunk codec: protobuf's wire format, written by hand ---------------------------------
+
+from ps_common.errors import InvalidArgument as _InvalidArgument  # noqa: E402
+from ps_common.tensors import decode_chunk, encode_chunk  # noqa: E402
+from ps_proto.v1 import parameter_server_pb2 as _ps_pb  # noqa: E402
+
+
+@pytest.mark.parametrize("with_header", [False, True])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 70_000])
+def test_chunk_codec_matches_protobuf_both_ways(with_header, size):
+    data = bytes(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))
+    header = _ps_pb.PushHeader(client_id="c", sequence=size + 1, epoch=3)
+    ours = encode_chunk(header.SerializeToString() if with_header else None, data)
+    parsed = _ps_pb.PushChunk.FromString(ours)
+    assert parsed.data == data
+    assert parsed.HasField("header") == with_header
+    if with_header:
+        assert parsed.header == header
+    theirs = _ps_pb.PushChunk(data=data)
+    if with_header:
+        theirs.header.CopyFrom(header)
+    decoded = decode_chunk(theirs.SerializeToString())
+    assert bytes(decoded.data) == data
+    assert (decoded.header is not None) == with_header
+    if with_header:
+        assert _ps_pb.PushHeader.FromString(decoded.header) == header
+
+
+def test_chunk_codec_skips_unknown_fields_like_protobuf():
+    unknown = b"\x18\x05" + b"\x21" + b"\x00" * 8 + b"\x2d" + b"\x00" * 4  # varint, 64, 32-bit
+    decoded = decode_chunk(unknown + encode_chunk(None, b"abc"))
+    assert bytes(decoded.data) == b"abc" and decoded.header is None
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x12\x05abc",            # data runs past the end
+    b"\x12",                   # length missing
+    b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # overlong varint
+    b"\x13",                   # wire type 3 (groups) is not supported
+    b"\x21\x00",              # a 64-bit field cut short
+])
+def test_malformed_chunk_messages_are_invalid_argument(raw):
+    with pytest.raises(_InvalidArgument):
+        decode_chunk(raw)
