@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from ps_server.testing import InProcessCluster
+
+# The fixture users get (README): `ps_cluster`, a started 2-server InProcessCluster.
+pytest_plugins = ["ps_server.testing"]
 
 THREAD_LEAK_WAIT_S = 5.0
 
@@ -34,9 +36,11 @@ def no_thread_leak():
 def make_cluster(no_thread_leak):
     """Factory: `make_cluster(servers=3, split_threshold_bytes=1000, ...)` returns a started
     InProcessCluster (on OS-chosen ports); every cluster made is stopped after the test."""
+    from ps_server.testing import InProcessCluster  # after pytest loaded it as a plugin
+
     started: list[InProcessCluster] = []
 
-    def make(**kwargs) -> InProcessCluster:
+    def make(**kwargs):
         cluster = InProcessCluster(**kwargs).start()
         started.append(cluster)
         return cluster
@@ -47,6 +51,6 @@ def make_cluster(no_thread_leak):
 
 
 @pytest.fixture
-def cluster(make_cluster) -> InProcessCluster:
+def cluster(make_cluster):
     """A started 2-server cluster with default settings."""
     return make_cluster(servers=2)
