@@ -80,6 +80,16 @@ class PushLedger:
             record.applied.discard(oldest)
             record.floor = oldest
 
+    def applied(self, client_id: str, incarnation: int, sequence: int) -> bool:
+        """True if this push was applied already (a retry whose first answer was lost)."""
+        with self._lock:
+            record = self._clients.get(client_id)
+        if record is None:
+            return False
+        with record.lock:
+            return incarnation == record.incarnation and (
+                sequence <= record.floor or sequence in record.applied)
+
     def pending(self, client_id: str) -> int:
         """How many sequences above the floor are remembered for `client_id` (for tests)."""
         with self._lock:

@@ -56,6 +56,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if not h.client_id or h.sequence < 1:
                 raise InvalidArgument(
                     "push header needs a client_id and a sequence >= 1 (exactly-once identity)")
+            if self._ledger.applied(h.client_id, h.incarnation, h.sequence):
+                # Checked before the epoch: a retry of an applied push must be answered
+                # 'duplicate' even after the map moved on, or its sender would resend it
+                # as new work.
+                for _ in chunks:
+                    pass
+                return pb.PushReply(duplicate=True)
             refs = [(r.variable, r.index) for r in h.shards]
             metas = [TensorMeta.from_proto(t, what=f"push tensor {i}")
                      for i, t in enumerate(h.tensors)]

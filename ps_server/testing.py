@@ -27,7 +27,8 @@ class FaultInjector(grpc.ServerInterceptor):
     """Server interceptor that fails chosen calls with a chosen status. Thread-safe.
 
     `fail_next(method, n, code)` fails the next n calls of `method` (e.g. "Push") before
-    they run; `drop_response_next(method, n)` runs the next n calls and then replaces their
+    they run; `drop_response_next(method, n, then=fn)` runs the next n calls, calls `fn()`
+    (e.g. to move the shard map while the response is "in flight"), and then replaces their
     response with UNAVAILABLE, as a lost response would look to the client.
     """
 
@@ -35,6 +36,7 @@ class FaultInjector(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._fail: dict[str, list] = {}
         self._drop: dict[str, int] = {}
+        self._then: dict[str, object] = {}
         self.calls: dict[str, int] = {}
 
     def fail_next(self, method: str, n: int = 1,
@@ -42,9 +44,10 @@ class FaultInjector(grpc.ServerInterceptor):
         with self._lock:
             self._fail[method] = [n, code]
 
-    def drop_response_next(self, method: str, n: int = 1) -> None:
+    def drop_response_next(self, method: str, n: int = 1, then=None) -> None:
         with self._lock:
             self._drop[method] = n
+            self._then[method] = then
 
     def _take(self, method: str):
         with self._lock:
@@ -55,7 +58,7 @@ class FaultInjector(grpc.ServerInterceptor):
                 return "fail", fail[1]
             if self._drop.get(method, 0) > 0:
                 self._drop[method] -= 1
-                return "drop", grpc.StatusCode.UNAVAILABLE
+                return "drop", self._then.get(method)
             return None, None
 
     def intercept_service(self, continuation, handler_call_details):
@@ -75,7 +78,9 @@ class FaultInjector(grpc.ServerInterceptor):
             if kind.endswith("stream"):
                 result = list(result)
             if action == "drop":
-                context.abort(code, f"injected loss of the {method} response")
+                if code is not None:  # the `then` hook
+                    code()
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"injected loss of the {method} response")
             return iter(result) if kind.endswith("stream") else result
 
         return handler._replace(**{kind: wrapped})

@@ -341,35 +341,51 @@ class PSClient:
         """
         shard_map = self._map_with(list(grads))
         pieces = self._split(shard_map, grads, wire_dtype)
-        for _ in range(MAX_MAP_REFRESHES):
-            by_server: dict[str, list[_Piece]] = {}
-            for piece in pieces:
-                by_server.setdefault(piece.shard.server_id, []).append(piece)
-            failed_stale: list[_Piece] = []
+        # One sequence per (server, exact set of shards), kept across map refreshes: a part
+        # whose response was lost and that is then refused as stale goes out again under the
+        # same identity, so a server that did apply it answers 'duplicate' instead of applying
+        # it twice. Sequences are released (acknowledged) only when the whole push is over.
+        sequences: dict[tuple, tuple[str, int]] = {}
+        sequences_lock = threading.Lock()
 
-            errors: list[RemoteError] = []
+        def sequence_for(server_id: str, group: list[_Piece]) -> int:
+            key = (server_id, tuple(p.shard.key for p in group))
+            with sequences_lock:
+                if key not in sequences:
+                    sequences[key] = (server_id, self._issue_sequence(server_id))
+                return sequences[key][1]
 
-            def push_one(server_id: str, group: list[_Piece], shard_map=shard_map):
-                try:
-                    self._push_to(shard_map, server_id, group)
-                except RemoteError as error:
-                    if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    failed_stale.extend(group)
-                    errors.append(error)
+        try:
+            for _ in range(MAX_MAP_REFRESHES):
+                by_server: dict[str, list[_Piece]] = {}
+                for piece in pieces:
+                    by_server.setdefault(piece.shard.server_id, []).append(piece)
+                failed: list[_Piece] = []
+                errors: list[RemoteError] = []
 
-            self._run_groups(by_server, push_one)
-            if not failed_stale:
-                return
-            # Parts refused as stale, or whose server stayed unreachable, are sent again
-            # (under new sequence numbers: nothing of theirs was applied, or the server
-            # that may have applied it is gone) if the coordinator's map has moved on.
-            if not any(self._map_moved(shard_map, e) for e in errors):
-                raise errors[0]
-            shard_map = self.shard_map
-            pieces = [self._relocate(shard_map, p) for p in failed_stale]
-        raise _local_error(grpc.StatusCode.ABORTED,
-                           f"shard map kept changing during {MAX_MAP_REFRESHES} push attempts")
+                def push_one(server_id: str, group: list[_Piece], shard_map=shard_map):
+                    try:
+                        self._push_to(shard_map, server_id, group, sequence_for(server_id, group))
+                    except RemoteError as error:
+                        if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        failed.extend(group)
+                        errors.append(error)
+
+                self._run_groups(by_server, push_one)
+                if not failed:
+                    return
+                # Parts refused as stale, or whose server stayed unreachable, are sent again
+                # if the coordinator's map has moved on (e.g. the server is at a new address).
+                if not any(self._map_moved(shard_map, e) for e in errors):
+                    raise errors[0]
+                shard_map = self.shard_map
+                pieces = [self._relocate(shard_map, p) for p in failed]
+            raise _local_error(grpc.StatusCode.ABORTED,
+                               f"shard map kept changing during {MAX_MAP_REFRESHES} push attempts")
+        finally:
+            for server_id, sequence in sequences.values():
+                self._finish_sequence(server_id, sequence)
 
     def push_async(self, grads: Mapping[str, np.ndarray], *,
                    wire_dtype: str | None = None) -> futures.Future:
@@ -451,33 +467,30 @@ class PSClient:
         raise _local_error(grpc.StatusCode.ABORTED,
                            f"variable {piece.shard.variable!r} was re-sharded during a push")
 
-    def _push_to(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece]) -> None:
-        sequence = self._issue_sequence(server_id)
-        try:
-            stub = self._stub(shard_map.servers[server_id])
-            sizes = [p.grad.nbytes for p in pieces]
-            readers = [array_reader(p.grad, p.wire_dtype) for p in pieces]
+    def _push_to(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
+                 sequence: int) -> None:
+        stub = self._stub(shard_map.servers[server_id])
+        sizes = [p.grad.nbytes for p in pieces]
+        readers = [array_reader(p.grad, p.wire_dtype) for p in pieces]
 
-            def attempt():
-                header = ps_pb.PushHeader(
-                    client_id=self.client_id, incarnation=self.incarnation, sequence=sequence,
-                    acked_through=self._acked(server_id), epoch=shard_map.epoch,
-                    shards=[ps_pb.ShardRef(variable=p.shard.variable, index=p.shard.index)
-                            for p in pieces],
-                    tensors=[TensorMeta(p.wire_dtype, p.grad.shape).to_proto() for p in pieces],
-                )
+        def attempt():
+            header = ps_pb.PushHeader(
+                client_id=self.client_id, incarnation=self.incarnation, sequence=sequence,
+                acked_through=self._acked(server_id), epoch=shard_map.epoch,
+                shards=[ps_pb.ShardRef(variable=p.shard.variable, index=p.shard.index)
+                        for p in pieces],
+                tensors=[TensorMeta(p.wire_dtype, p.grad.shape).to_proto() for p in pieces],
+            )
 
-                def chunks():
-                    first_header = header.SerializeToString()
-                    for i, piece in enumerate(iter_chunks(sizes, readers, self._chunk_bytes)):
-                        yield encode_chunk(first_header if i == 0 else None, piece)
+            def chunks():
+                first_header = header.SerializeToString()
+                for i, piece in enumerate(iter_chunks(sizes, readers, self._chunk_bytes)):
+                    yield encode_chunk(first_header if i == 0 else None, piece)
 
-                return stub.Push(chunks(), timeout=self._deadline(sum(sizes)))
+            return stub.Push(chunks(), timeout=self._deadline(sum(sizes)))
 
-            # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
-            call_with_retry(attempt, target=server_id, policy=self._retry)
-        finally:
-            self._finish_sequence(server_id, sequence)
+        # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
+        call_with_retry(attempt, target=server_id, policy=self._retry)
 
     def _issue_sequence(self, server_id: str) -> int:
         with self._lock:

@@ -102,6 +102,7 @@ class Trainer:
         upcoming = ps.pull_async(self.names, out=self._buffers(0))
         for step, (x, y) in enumerate(batches):
             if should_stop():
+                upcoming.result()  # no pull may still be writing into a buffer when we return
                 break
             host = upcoming.result()
             if step + 1 < len(batches):

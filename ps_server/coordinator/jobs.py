@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ps_common.clock import Clock
@@ -106,14 +107,19 @@ class EpochSummary:
 class JobRunner:
     """Thread-safe. `job=None` means no job: workers are told there is nothing to run."""
 
-    def __init__(self, job: JobSpec | None, clock: Clock, *, heartbeat_timeout_s: float):
+    def __init__(self, job: JobSpec | None, clock: Clock, *, heartbeat_timeout_s: float,
+                 first_incarnation: int | None = None):
         self.job = job
         self._clock = clock
         self._timeout = heartbeat_timeout_s
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
         self._tasks: dict[int, Task] = {}
-        self._next_incarnation = 1
+        # Servers fence a worker's pushes by incarnation, and they outlive a coordinator
+        # restart: incarnations start from the wall clock (ms) so that a restarted
+        # coordinator never hands out one lower than a server has already seen.
+        self._next_incarnation = (first_incarnation if first_incarnation is not None
+                                  else time.time_ns() // 1_000_000)
         self._started_at = clock.monotonic()
         self._finished_at: float | None = None
         self.failure = ""

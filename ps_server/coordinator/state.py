@@ -94,11 +94,15 @@ class CoordinatorState:
             return list(self._servers.values())
 
     def unsynced(self, shard_map: ShardMap) -> list[ServerMember]:
-        """Servers holding shards of `shard_map` that have not acknowledged its epoch."""
+        """Live servers holding shards of `shard_map` that have not acknowledged its epoch.
+        A dead one is resynced when it registers again, not waited for: declarations go on
+        while a server restarts."""
+        now = self._clock.monotonic()
         with self._lock:
             holders = {s.server_id for shards in shard_map.shards.values() for s in shards}
             return [m for sid, m in self._servers.items()
-                    if sid in holders and m.synced_epoch < shard_map.epoch]
+                    if sid in holders and m.synced_epoch < shard_map.epoch
+                    and m.online_until > now]
 
     def _holds_shards(self, server_id: str) -> bool:
         return any(s.server_id == server_id for shards in self._map.shards.values() for s in shards)

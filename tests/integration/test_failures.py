@@ -96,6 +96,18 @@ def test_lost_push_response_is_retried_and_applied_once(one):
     np.testing.assert_array_equal(ps.pull("w"), -np.ones((4, 3), np.float32))
 
 
+def test_lost_push_response_then_a_new_epoch_is_still_applied_once(one):
+    """The push is applied, its response is lost, and the shard map moves on before the
+    retry: the retry (refused as stale, resent after a refresh) must not apply it again."""
+    cluster, ps = one
+    with PSClient(cluster.coordinator_address) as other:
+        cluster.faults.drop_response_next(
+            "Push", 1, then=lambda: other.declare("x", shape=(2,), optimizer=SGD1))
+        ps.push({"w": np.ones((4, 3), np.float32)})
+        assert other.shard_map.epoch > 1
+    np.testing.assert_array_equal(ps.pull("w"), -np.ones((4, 3), np.float32))
+
+
 def test_push_failing_before_apply_is_retried_and_applied_once(one):
     cluster, ps = one
     before = calls(cluster, "Push")
