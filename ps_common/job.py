@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,6 +16,12 @@ from typing import Any, Mapping
 import yaml
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adagrad", "adam")
+BUILTIN_MODELS = ("logreg", "mlp")
+BUILTIN_DATA = ("digits", "synthetic")
+# Checked here by form only: the file or module may exist on the workers' machines alone.
+# A worker that cannot load them reports it, and the coordinator fails the job.
+_MODEL_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_SYNTHETIC_N = re.compile(r"^synthetic:\d+$")
 MODES = ("async",)
 
 
@@ -46,12 +53,15 @@ class JobSpec:
                 problem = f"{getattr(self, field)!r} {want}"
                 raise JobError(f"job field {field!r}: {problem}", field=field, problem=problem)
 
-        need(isinstance(self.model, str) and bool(self.model), "model",
-             "must be 'logreg', 'mlp' or 'module:attribute'")
+        need(isinstance(self.model, str) and (self.model in BUILTIN_MODELS
+                                              or bool(_MODEL_REFERENCE.match(self.model))),
+             "model", "must be 'logreg', 'mlp' or 'module:attribute'")
         need(all(isinstance(h, int) and h > 0 for h in self.hidden), "hidden",
              "must be positive integers, e.g. 128,64")
-        need(isinstance(self.data, str) and bool(self.data), "data",
-             "must be 'digits', 'synthetic' or a path to an .npz file")
+        need(isinstance(self.data, str) and (self.data in BUILTIN_DATA
+                                             or bool(_SYNTHETIC_N.match(self.data))
+                                             or self.data.endswith(".npz")), "data",
+             "must be 'digits', 'synthetic', 'synthetic:N' or a path to an .npz file")
         need(isinstance(self.epochs, int) and self.epochs >= 1, "epochs", "must be an integer >= 1")
         need(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size",
              "must be an integer >= 1")

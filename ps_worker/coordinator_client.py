@@ -131,6 +131,12 @@ class CoordinatorClient:
             raise
         return reply.duplicate
 
+    def report_job_error(self, worker_id: str, incarnation: int, message: str) -> bool:
+        """Tell the coordinator this worker cannot run the job; True if that failed the job."""
+        reply = self._call("ReportJobError", pb.ReportJobErrorRequest(
+            worker_id=worker_id, incarnation=incarnation, message=message))
+        return reply.job_failed
+
     def status(self) -> dict:
         """The cluster status as JSON-ready data (what `ps-ctl status --json` prints)."""
         s = self._call("GetStatus", pb.GetStatusRequest())

@@ -39,6 +39,14 @@ class JobOver(Exception):
     """The coordinator says the job is over (or the worker was asked to stop)."""
 
 
+class JobCannotRun(ValueError):
+    """The job's data or model does not load on this worker (reported to the coordinator)."""
+
+    def __init__(self, message: str, *, job_failed: bool):
+        super().__init__(message)
+        self.job_failed = job_failed
+
+
 class Fenced(Exception):
     """This incarnation was declared dead; the worker registers again."""
 
@@ -169,9 +177,14 @@ class Worker:
         job = registration.job
         self._incarnation = registration.incarnation
         backend = select_backend(self.config.device, log=log.info)
-        dataset = load_dataset(job.data, seed=job.seed)
-        model = build_model(job.model, num_features=dataset.num_features,
-                            num_classes=dataset.num_classes, hidden=job.hidden)
+        try:
+            dataset = load_dataset(job.data, seed=job.seed)
+            model = build_model(job.model, num_features=dataset.num_features,
+                                num_classes=dataset.num_classes, hidden=job.hidden)
+        except ValueError as error:
+            failed = self._coordinator.report_job_error(self.worker_id, self._incarnation,
+                                                        str(error))
+            raise JobCannotRun(str(error), job_failed=failed) from None
         trainer = Trainer(job, dataset, model, backend)
         log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
                  self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)

@@ -665,3 +665,48 @@ class ClusterStatus(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterStatus: _TypeAlias = ClusterStatus  # noqa: Y015
+
+@_typing.final
+class ReportJobErrorRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    incarnation: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "message", b"message", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportJobErrorRequest: _TypeAlias = ReportJobErrorRequest  # noqa: Y015
+
+@_typing.final
+class ReportJobErrorReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FAILED_FIELD_NUMBER: _builtins.int
+    job_failed: _builtins.bool
+    """True when the report failed the job."""
+    def __init__(
+        self,
+        *,
+        job_failed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_failed", b"job_failed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportJobErrorReply: _TypeAlias = ReportJobErrorReply  # noqa: Y015

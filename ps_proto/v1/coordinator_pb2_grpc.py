@@ -77,6 +77,11 @@ class CoordinatorStub:
                 request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.FromString,
                 _registered_method=True)
+        self.ReportJobError = channel.unary_unary(
+                '/ps.v1.Coordinator/ReportJobError',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.ReportJobErrorRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.ReportJobErrorReply.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/ps.v1.Coordinator/GetStatus',
                 request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
@@ -140,6 +145,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportJobError(self, request, context):
+        """The worker cannot run the job (its data or model does not load): the worker leaves, and
+        a job that no worker has made progress on fails with this message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Everything `ps-ctl status` shows.
         """
@@ -189,6 +202,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CompleteTask,
                     request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.SerializeToString,
+            ),
+            'ReportJobError': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportJobError,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.ReportJobErrorRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.ReportJobErrorReply.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -414,6 +432,33 @@ class Coordinator:
             '/ps.v1.Coordinator/CompleteTask',
             ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.SerializeToString,
             ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportJobError(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/ReportJobError',
+            ps__proto_dot_v1_dot_coordinator__pb2.ReportJobErrorRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.ReportJobErrorReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,10 @@ class CoordinatorStub:
     WorkerHeartbeat: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.WorkerHeartbeatRequest, _coordinator_pb2.WorkerHeartbeatReply]
     LeaseTask: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseTaskRequest, _coordinator_pb2.LeaseTaskReply]
     CompleteTask: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteTaskRequest, _coordinator_pb2.CompleteTaskReply]
+    ReportJobError: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportJobErrorRequest, _coordinator_pb2.ReportJobErrorReply]
+    """The worker cannot run the job (its data or model does not load): the worker leaves, and
+    a job that no worker has made progress on fails with this message.
+    """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]
     """Everything `ps-ctl status` shows."""
 
@@ -70,6 +74,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     WorkerHeartbeat: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.WorkerHeartbeatRequest, _coordinator_pb2.WorkerHeartbeatReply]  # type: ignore[assignment]
     LeaseTask: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseTaskRequest, _coordinator_pb2.LeaseTaskReply]  # type: ignore[assignment]
     CompleteTask: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteTaskRequest, _coordinator_pb2.CompleteTaskReply]  # type: ignore[assignment]
+    ReportJobError: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportJobErrorRequest, _coordinator_pb2.ReportJobErrorReply]  # type: ignore[assignment]
+    """The worker cannot run the job (its data or model does not load): the worker leaves, and
+    a job that no worker has made progress on fails with this message.
+    """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]  # type: ignore[assignment]
     """Everything `ps-ctl status` shows."""
 
@@ -137,6 +145,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.CompleteTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.CompleteTaskReply, _abc.Awaitable[_coordinator_pb2.CompleteTaskReply]]: ...
+
+    @_abc_1.abstractmethod
+    def ReportJobError(
+        self,
+        request: _coordinator_pb2.ReportJobErrorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReportJobErrorReply, _abc.Awaitable[_coordinator_pb2.ReportJobErrorReply]]:
+        """The worker cannot run the job (its data or model does not load): the worker leaves, and
+        a job that no worker has made progress on fails with this message.
+        """
 
     @_abc_1.abstractmethod
     def GetStatus(

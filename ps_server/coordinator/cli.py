@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
     code = run_until_signal(coordinator.stop, coordinator.wait, announce)
     log.info("stopped")
+    if coordinator.runner.failure:
+        log.error("the job failed: %s", coordinator.runner.failure)
+        return 1
     return code
 
 

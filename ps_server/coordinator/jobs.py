@@ -265,6 +265,24 @@ class JobRunner:
             self._advance()
             return False
 
+    def report_job_error(self, worker_id: str, incarnation: int, message: str) -> bool:
+        """A worker cannot run the job (data or model does not load). It is marked dead with
+        the message as reason and its tasks go back; if no task has been done yet, nobody
+        can run this job and it fails. Returns True if the job failed."""
+        now = self._clock.monotonic()
+        with self._lock:
+            self._reap()
+            worker = self._current(worker_id, incarnation)
+            if worker is not None:
+                self._mark_dead(worker, now, f"cannot run the job: {message}")
+            progressed = any(t.state is TaskState.DONE for t in self._tasks.values())
+            if self.state is JobState.RUNNING and not progressed:
+                self.state = JobState.FAILED
+                self._finished_at = now
+                self.failure = f"worker {worker_id} cannot run the job: {message}"
+                return True
+            return False
+
     # ---- reads -------------------------------------------------------------------------
 
     def snapshot(self) -> dict:

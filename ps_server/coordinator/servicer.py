@@ -108,6 +108,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 Metrics(m.loss_sum, m.examples, m.correct, m.steps, m.seconds))
             return pb.CompleteTaskReply(duplicate=duplicate)
 
+    def ReportJobError(self, request, context):
+        with translate_errors(context, "ReportJobError"):
+            failed = self._runner.report_job_error(
+                request.worker_id, request.incarnation, request.message[:2000])
+            return pb.ReportJobErrorReply(job_failed=failed)
+
     def GetStatus(self, request, context):
         with translate_errors(context, "GetStatus"):
             snap = self._runner.snapshot()

@@ -397,3 +397,36 @@ def test_no_job_means_nothing_to_run():
     assert snap["state"] is JobState.NONE
     assert (snap["epochs"], snap["tasks_done"], snap["tasks_total"], snap["metrics"]) == (
         0, 0, 0, [])
+
+
+def test_a_job_no_worker_can_load_fails_with_the_workers_message():
+    from ps_common.clock import FakeClock
+    from ps_common.job import JobSpec
+    from ps_server.coordinator.jobs import JobRunner, JobState
+
+    runner = JobRunner(JobSpec(epochs=1, tasks_per_epoch=2), FakeClock(),
+                       heartbeat_timeout_s=5.0)
+    incarnation = runner.register_worker("w0")
+    assert runner.report_job_error("w0", incarnation, "data set file 'x.npz' does not exist")
+    assert runner.state is JobState.FAILED
+    assert "x.npz" in runner.failure
+    worker = runner.snapshot()["workers"][0]
+    assert worker["state"] == "dead" and "x.npz" in worker["reason"]
+
+
+def test_a_worker_that_cannot_load_a_running_job_leaves_without_failing_it():
+    from ps_common.clock import FakeClock
+    from ps_common.job import JobSpec
+    from ps_server.coordinator.jobs import JobRunner, JobState, Metrics
+
+    runner = JobRunner(JobSpec(epochs=1, tasks_per_epoch=2), FakeClock(),
+                       heartbeat_timeout_s=5.0)
+    good = runner.register_worker("good")
+    outcome, task = runner.lease("good", good)
+    runner.complete("good", good, task.task_id, Metrics(1.0, 10, 5, 1, 0.1))
+    bad = runner.register_worker("bad")
+    _, leased = runner.lease("bad", bad)
+    assert not runner.report_job_error("bad", bad, "no module named 'mine'")
+    assert runner.state is JobState.RUNNING
+    outcome, again = runner.lease("good", good)
+    assert outcome == "task" and again.task_id == leased.task_id  # its task went back

@@ -1,0 +1,64 @@
+"""A job whose data or model the workers cannot load fails fast with their message,
+instead of leaving the coordinator waiting for progress that never comes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.system
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _address(proc: subprocess.Popen, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if " listening on " in line:
+            return line.split()[-1]
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"{proc.args} did not start: {proc.stderr.read()}")
+
+
+def test_a_job_with_missing_data_fails_and_every_process_exits(tmp_path):
+    missing = tmp_path / "missing.npz"
+    procs = []
+    try:
+        coordinator = _start(["ps_server.coordinator.cli", "--port", "0", "--data", str(missing),
+                              "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"])
+        procs.append(coordinator)
+        address = _address(coordinator, time.monotonic() + 30)
+        server = _start(["ps_server.cli", "--port", "0", "--coordinator", address,
+                         "--heartbeat-interval", "0.2"])
+        procs.append(server)
+        _address(server, time.monotonic() + 30)
+        worker = _start(["ps_worker.cli", "--coordinator", address, "--worker-id", "w0"])
+        procs.append(worker)
+        assert worker.wait(60) == 1
+        assert str(missing) in worker.stderr.read()
+        assert coordinator.wait(60) == 1  # the job failed
+        assert str(missing) in coordinator.stderr.read()
+        assert server.wait(60) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--model", "nosuch"], "--model"),
+    (["--data", "mnist"], "--data"),
+])
+def test_a_malformed_model_or_data_is_refused_at_start(flags, named):
+    result = subprocess.run([sys.executable, "-m", "ps_server.coordinator.cli", "--port", "0",
+                             *flags], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert named in result.stderr
