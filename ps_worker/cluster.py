@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.note(f"{args.servers} server(s), {args.workers} worker(s): training "
                       f"{job.model} on {job.data} for {job.epochs} epoch(s)")
         outcome = _monitor(address, coordinator, workers, progress, args.keep_serving)
+        if outcome.get("epochs") and outcome["epochs"] not in progress.reported and \
+                outcome.get("accuracy") is not None:  # the monitor missed the last status
+            progress.note(f"epoch {outcome['epochs']}/{job.epochs}  loss {outcome['loss']:.4f}  "
+                          f"accuracy {outcome['train_accuracy']:.4f}  held-out accuracy "
+                          f"{outcome['accuracy']:.4f}  steps {outcome['steps']}")
     except KeyboardInterrupt:
         interrupted = True
         outcome = {"state": "interrupted"}

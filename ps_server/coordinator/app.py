@@ -62,7 +62,7 @@ class Coordinator:
         self.runner = JobRunner(config.job, self._clock,
                                 heartbeat_timeout_s=config.heartbeat_timeout_s)
         servicer = CoordinatorServicer(
-            self.state, self._assigner, self.runner, self._clock,
+            self.state, self._assigner, self.runner,
             heartbeat_interval_s=config.heartbeat_interval_s, keep_serving=config.keep_serving)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-from ps_common.clock import Clock
 from ps_common.errors import InvalidArgument
 from ps_common.status import translate_errors
 from ps_common.wire import shardmap_to_proto, spec_from_proto
@@ -21,12 +20,11 @@ _ACTIONS = {"continue": pb.CONTINUE, "reregister": pb.REREGISTER, "stop": pb.STO
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Thread-safe."""
 
-    def __init__(self, state: CoordinatorState, assigner: Assigner, runner: JobRunner,
-                 clock: Clock, *, heartbeat_interval_s: float, keep_serving: bool):
+    def __init__(self, state: CoordinatorState, assigner: Assigner, runner: JobRunner, *,
+                 heartbeat_interval_s: float, keep_serving: bool):
         self._state = state
         self._assigner = assigner
         self._runner = runner
-        self._clock = clock
         self._keep_serving = keep_serving
         self._heartbeat_interval_ms = int(heartbeat_interval_s * 1000)
         # Declarations are serialized so each one's placement sees the previous one's.
@@ -119,15 +117,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             snap = self._runner.snapshot()
             shard_map = self._state.shard_map
             loads = server_loads(shard_map)
-            now = self._clock.monotonic()
-            servers = []
-            for m in self._state.servers():
-                state = ("done" if m.told_to_stop else
-                         "alive" if m.online_until > now else "dead")
-                servers.append(pb.ServerStatus(
-                    server_id=m.server_id, address=m.address, state=state,
-                    heartbeat_age_s=now - m.last_heartbeat, bytes=loads.get(m.server_id, 0),
-                    shards=len(shard_map.shards_on(m.server_id)), synced_epoch=m.synced_epoch))
+            servers = [pb.ServerStatus(
+                server_id=m.server_id, address=m.address, state=state, heartbeat_age_s=age,
+                bytes=loads.get(m.server_id, 0), shards=len(shard_map.shards_on(m.server_id)),
+                synced_epoch=m.synced_epoch) for m, state, age in self._state.server_states()]
             metrics = [pb.EpochMetrics(
                 epoch=e.epoch, loss=e.train.mean_loss, accuracy=e.train.accuracy,
                 test_loss=e.test.mean_loss if e.test else 0.0,

@@ -93,6 +93,13 @@ class CoordinatorState:
         with self._lock:
             return list(self._servers.values())
 
+    def server_states(self) -> list[tuple[ServerMember, str, float]]:
+        """Every server with its state ("alive", "dead" or "done": told the job is over)
+        and the seconds since its last heartbeat."""
+        now = self._clock.monotonic()
+        return [(m, "done" if m.told_to_stop else "alive" if m.online_until > now else "dead",
+                 now - m.last_heartbeat) for m in self.servers()]
+
     def unsynced(self, shard_map: ShardMap) -> list[ServerMember]:
         """Live servers holding shards of `shard_map` that have not acknowledged its epoch.
         A dead one is resynced when it registers again, not waited for: declarations go on

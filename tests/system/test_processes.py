@@ -179,3 +179,54 @@ def test_port_in_use_exits_nonzero_naming_the_flag(program):
     assert done.returncode != 0
     assert "--port" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_sigterm_lets_a_push_in_flight_finish_and_exits_zero(spawn):
+    """SIGTERM arrives after the first chunk of a push is on the wire: the server stops taking
+    new RPCs but finishes this one within its grace period, applies it, and exits 0."""
+    import grpc
+
+    from ps_proto.v1 import parameter_server_pb2 as ps_pb
+    from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
+    from ps_proto.v1 import tensor_pb2
+
+    coordinator = spawn([*COORDINATOR, "--port", "0", "--grace", "1"])
+    coordinator_address = coordinator.wait_for_address()
+    server = spawn([*SERVER, "--port", "0", "--coordinator", coordinator_address,
+                    "--server-id", "s0", "--grace", "10", "--heartbeat-interval", "0.2"])
+    server_address = server.wait_for_address()
+    rows, cols, chunk = 512, 1024, 64 * 1024
+    with PSClient(coordinator_address, retry=PATIENT, timeout_s=10) as ps:
+        ps.declare("w", shape=(rows, cols), optimizer=SGD1)
+        epoch = ps.shard_map.epoch
+    payload = np.ones((rows, cols), np.float32).tobytes()
+    first_sent = threading.Event()
+    header = ps_pb.PushHeader(
+        client_id="sigterm-test", incarnation=1, sequence=1, epoch=epoch,
+        shards=[ps_pb.ShardRef(variable="w", index=0)],
+        tensors=[tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[rows, cols])])
+
+    def chunks():
+        yield ps_pb.PushChunk(header=header, data=payload[:chunk])
+        first_sent.set()
+        for start in range(chunk, len(payload), chunk):
+            yield ps_pb.PushChunk(data=payload[start:start + chunk])
+
+    outcome = {}
+
+    def push():
+        with grpc.insecure_channel(server_address) as channel:
+            try:
+                outcome["reply"] = ps_grpc.ParameterServerStub(channel).Push(chunks(), timeout=30)
+            except grpc.RpcError as error:
+                outcome["error"] = error.code()
+
+    pusher = threading.Thread(target=push, name="sigterm-test-push")
+    pusher.start()
+    assert first_sent.wait(30)
+    server.popen.send_signal(signal.SIGTERM)
+    pusher.join(40)
+    assert not pusher.is_alive()
+    assert "error" not in outcome, outcome
+    assert outcome["reply"].duplicate is False  # a Push answers only once it is applied
+    assert server.popen.wait(EXIT_TIMEOUT_S) == 0
