@@ -143,16 +143,20 @@ class JobRunner:
         return [t for t in self._tasks.values() if t.epoch == epoch and t.kind == kind]
 
     def _advance(self) -> None:
-        train = self._epoch_tasks(self._epoch, "train")
-        if all(t.state is TaskState.DONE for t in train) and not self._epoch_tasks(
-                self._epoch, "evaluate"):
-            self._add_task("evaluate", self._epoch, 0)
+        """After an epoch's last training task: its evaluation task. After that evaluation:
+        the next epoch, or the end of the job. The next epoch waits for the evaluation so
+        that it measures exactly the parameters the epoch ended with (evaluating the small
+        held-out set takes far less than a training task)."""
+        evaluations = self._epoch_tasks(self._epoch, "evaluate")
+        if not evaluations:
+            if all(t.state is TaskState.DONE for t in self._epoch_tasks(self._epoch, "train")):
+                self._add_task("evaluate", self._epoch, 0)
+        elif evaluations[0].state is TaskState.DONE:
             if self._epoch < self.job.epochs:
                 self._start_epoch(self._epoch + 1)
-        if all(t.state is TaskState.DONE for t in self._tasks.values()) and \
-                self._epoch == self.job.epochs and self._epoch_tasks(self._epoch, "evaluate"):
-            self.state = JobState.DONE
-            self._finished_at = self._clock.monotonic()
+            else:
+                self.state = JobState.DONE
+                self._finished_at = self._clock.monotonic()
 
     def _release(self, task: Task) -> None:
         task.state, task.holder = TaskState.PENDING, None

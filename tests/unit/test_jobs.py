@@ -74,15 +74,17 @@ def test_evaluation_appears_when_train_tasks_are_done_and_is_leased_first():
     runner.complete("w0", w, first.task_id, TRAIN)
     assert runner.lease("w0", w) == ("wait", None)  # no evaluation while a train task runs
     runner.complete("w0", w, second.task_id, TRAIN)
-    snap = runner.snapshot()
-    assert snap["epoch"] == 2  # epoch 2's train tasks were created with the evaluation
     evaluation = lease_task(runner, "w0", w)
     assert (evaluation.kind, evaluation.epoch) == ("evaluate", 1)
+    # Epoch 2 waits for the evaluation, which must see exactly epoch 1's parameters.
+    assert runner.snapshot()["epoch"] == 1
+    assert runner.lease("w0", w) == ("wait", None)
+    runner.complete("w0", w, evaluation.task_id, TRAIN)
     nxt = lease_task(runner, "w0", w)
     assert (nxt.kind, nxt.epoch, nxt.index) == ("train", 2, 0)
 
 
-def test_evaluation_whose_holder_died_is_leased_again_before_train_tasks():
+def test_evaluation_whose_holder_died_is_leased_again():
     runner, clock = make_runner(epochs=3, tasks_per_epoch=2)
     w0 = runner.register_worker("w0")
     for _ in range(2):
@@ -90,8 +92,7 @@ def test_evaluation_whose_holder_died_is_leased_again_before_train_tasks():
     w1 = runner.register_worker("w1")
     evaluation = lease_task(runner, "w1", w1)
     assert (evaluation.kind, evaluation.epoch) == ("evaluate", 1)
-    t = lease_task(runner, "w0", w0)
-    assert (t.kind, t.epoch) == ("train", 2)
+    assert runner.lease("w0", w0) == ("wait", None)  # epoch 2 waits for the evaluation
     clock.advance(TIMEOUT_S / 2)
     runner.heartbeat("w0", w0)
     clock.advance(TIMEOUT_S / 2 + 1)  # w1 dies holding the evaluation
