@@ -33,6 +33,15 @@ def parse_address(text: str) -> str:
     return text
 
 
+def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
+    """--host, --port and --log-level: what every ps-* daemon takes."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 = any free port")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()), stream=sys.stderr,

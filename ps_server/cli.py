@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
-from ps_common.cli import fail, parse_address, parse_bytes, run_until_signal, setup_logging
+from ps_common.cli import (
+    add_daemon_arguments, fail, parse_address, parse_bytes, run_until_signal, setup_logging,
+)
 from ps_common.rpc import DEFAULT_CHUNK_BYTES
 from ps_server.app import ParameterServer, ServerConfig
 
@@ -17,9 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-server", description="Hold shards of variables in CPU memory and apply the "
         "optimizer to pushed gradients.")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=0, help="port to bind; 0 = any free port")
+    add_daemon_arguments(p)
     p.add_argument("--advertise-address", type=parse_address, metavar="HOST:PORT",
                    help="address others use to reach this server (default: the bound address, "
                    "or HOSTNAME:PORT when --host is 0.0.0.0)")
@@ -35,7 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long RPCs in flight may finish after SIGTERM")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
 

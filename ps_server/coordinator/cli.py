@@ -7,7 +7,9 @@ import json
 import logging
 import sys
 
-from ps_common.cli import fail, parse_bytes, run_until_signal, setup_logging
+from ps_common.cli import (
+    add_daemon_arguments, fail, parse_bytes, run_until_signal, setup_logging,
+)
 from ps_common.job import JobError, add_job_arguments, job_from_args
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 
@@ -18,9 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-coordinator", description="Coordinate a paramserve cluster: servers register "
         "here, variables are declared and placed here.")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=0, help="port to bind; 0 = any free port")
+    add_daemon_arguments(p)
     p.add_argument("--split-threshold", type=parse_bytes, default=64 * 1024 * 1024,
                    help="variables larger than this are split by rows over several servers "
                    "(default 64MiB)")
@@ -29,7 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep servers and the coordinator up after the job ends")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_job_arguments(p)
     return p
 
