@@ -47,6 +47,11 @@ class Registration:
     heartbeat_interval_s: float
 
 
+def _number(value: float) -> float | None:
+    """NaN (an epoch with no examples yet) as None, so that the status is valid JSON."""
+    return None if value != value else value
+
+
 _ACTIONS = {pb.CONTINUE: "continue", pb.REREGISTER: "reregister", pb.STOP: "stop"}
 
 
@@ -149,7 +154,7 @@ class CoordinatorClient:
                 "failure": job.failure,
                 "spec": JobSpec.from_json(job.job_json).__dict__ if job.job_json else None,
                 "metrics": [
-                    {"epoch": m.epoch, "loss": m.loss, "accuracy": m.accuracy,
+                    {"epoch": m.epoch, "loss": _number(m.loss), "accuracy": _number(m.accuracy),
                      "test_loss": m.test_loss if m.evaluated else None,
                      "test_accuracy": m.test_accuracy if m.evaluated else None,
                      "steps": m.steps, "examples": m.examples}

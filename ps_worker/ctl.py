@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="members, shards, job progress and metrics")
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
+    status.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+                        help="as the --timeout before the command")
     return p
 
 

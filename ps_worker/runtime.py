@@ -169,6 +169,8 @@ class Worker:
         self._stop.set()
 
     def run(self) -> int:
+        # The device first: a worker that cannot use it must not join (and hold tasks).
+        backend = select_backend(self.config.device, log=log.info)
         registration = self._coordinator.register_worker(self.worker_id)
         if registration.job is None:
             log.error("the coordinator at %s has no job to run (start it with job flags or "
@@ -176,7 +178,6 @@ class Worker:
             return 1
         job = registration.job
         self._incarnation = registration.incarnation
-        backend = select_backend(self.config.device, log=log.info)
         try:
             dataset = load_dataset(job.data, seed=job.seed)
             model = build_model(job.model, num_features=dataset.num_features,
