@@ -55,12 +55,11 @@ def make_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-def make_server(max_workers: int = 16, interceptors=()) -> grpc.Server:
-    return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"),
-        options=SERVER_OPTIONS,
-        interceptors=list(interceptors),
-    )
+def make_server(max_workers: int = 16, interceptors=()) -> tuple[grpc.Server, futures.Executor]:
+    """A gRPC server and its handler thread pool (shut it down after the server stops)."""
+    executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc")
+    server = grpc.server(executor, options=SERVER_OPTIONS, interceptors=list(interceptors))
+    return server, executor
 
 
 def bind(server: grpc.Server, host: str, port: int) -> tuple[str, int]:

@@ -234,7 +234,8 @@ class StreamAssembler:
 # decoded here by hand, in protobuf's own wire format, because the generic protobuf path is
 # slow for large bytes fields: building and serializing a message around a 2 MiB chunk
 # takes ~3 ms where one join takes ~50 us, and parsing copies the bytes once more. Any
-# protobuf implementation reads and writes these messages unchanged.
+# protobuf implementation reads what we write, and we read what it writes (a chunk with two
+# header fields, which protobuf would merge, is refused instead).
 
 _HEADER_TAG = b"\x0a"  # field 1, length-delimited
 _DATA_TAG = b"\x12"  # field 2, length-delimited
@@ -292,6 +293,8 @@ def decode_chunk(raw: bytes) -> Chunk:
     while pos < len(view):
         key, pos = _read_varint(view, pos)
         field, wire_type = key >> 3, key & 7
+        if field == 0:
+            raise InvalidArgument("malformed chunk message: field number 0")
         if wire_type == 2:
             length, pos = _read_varint(view, pos)
             if pos + length > len(view):
@@ -299,6 +302,8 @@ def decode_chunk(raw: bytes) -> Chunk:
             value = view[pos:pos + length]
             pos += length
             if field == 1:
+                if header is not None:  # protobuf would merge the two: nobody sends this
+                    raise InvalidArgument("malformed chunk message: two headers in one chunk")
                 header = value
             elif field == 2:
                 data = value

@@ -22,7 +22,8 @@ class Daemon:
 
     def __init__(self, *, host: str, port: int, service_names: list[str], add_servicers,
                  interceptors=(), max_workers: int = 16):
-        self.server = make_server(max_workers=max_workers, interceptors=interceptors)
+        self.server, self._executor = make_server(max_workers=max_workers,
+                                                  interceptors=interceptors)
         add_servicers(self.server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
@@ -44,6 +45,7 @@ class Daemon:
         self._stopped.set()
         self._health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait(grace_s + 1.0)
+        self._executor.shutdown(wait=False)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server terminates or `timeout` passes; True if it terminated."""

@@ -1,10 +1,12 @@
 """Exactly-once pushes: which (client, incarnation, sequence) a server has applied.
 
 State per client is bounded: a client reports `acked_through` (every sequence at or below it
-has finished on the client and will never be resent), and the ledger forgets those. At most
-`max_pending` sequences above that floor are kept; past it the oldest are folded into the
-floor (such a push would be refused as a duplicate if resent, never applied twice). The
-number of clients is bounded LRU-style by `max_clients`.
+has finished on the client and will never be resent), and the ledger forgets those. A push
+more than `max_pending` sequences above that floor is refused with RESOURCE_EXHAUSTED, so at
+most `max_pending` sequences are remembered per client. (Never guessed at: folding old
+sequences into the floor would answer a late retry 'duplicate' without applying it, a lost
+update.) PSClient never runs that far ahead of its acknowledgements. The number of clients is bounded LRU-style by
+`max_clients`; a client evicted from it loses its dedup state (with thousands of clients).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ps_common.errors import FencedIncarnation
+from ps_common.errors import FencedIncarnation, ResourceExhausted
 
 
 @dataclass
@@ -62,7 +64,14 @@ class PushLedger:
             if incarnation > record.incarnation:
                 record.incarnation, record.floor = incarnation, 0
                 record.applied.clear()
+            if acked_through < sequence:  # (a client never acknowledges what it still sends)
+                self._compact(record, acked_through)
             duplicate = sequence <= record.floor or sequence in record.applied
+            if not duplicate and sequence - record.floor > self._max_pending:
+                raise ResourceExhausted(
+                    f"client {client_id!r} pushed sequence {sequence}, more than "
+                    f"{self._max_pending} above its acknowledged sequence {record.floor}: "
+                    "acknowledge (acked_through) before pushing further ahead")
             yield duplicate
             if not duplicate:
                 record.applied.add(sequence)
@@ -75,10 +84,6 @@ class PushLedger:
         while record.floor + 1 in record.applied:
             record.floor += 1
             record.applied.discard(record.floor)
-        while len(record.applied) > self._max_pending:
-            oldest = min(record.applied)
-            record.applied.discard(oldest)
-            record.floor = oldest
 
     def applied(self, client_id: str, incarnation: int, sequence: int) -> bool:
         """True if this push was applied already (a retry whose first answer was lost)."""

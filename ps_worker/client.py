@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 # How many times one pull or push follows a "your shard map is stale" answer before giving up.
 MAX_MAP_REFRESHES = 5
+# How far a client's push sequences to one server may run ahead of its acknowledged ones
+# (servers remember up to 4096 by default: ps_server.ledger).
+MAX_UNACKED_SEQUENCES = 1024
 
 
 def _local_error(code: grpc.StatusCode, message: str) -> RemoteError:
@@ -116,6 +120,7 @@ class PSClient:
         self._allow_non_finite = allow_non_finite
 
         self._lock = threading.Lock()
+        self._sequences_changed = threading.Condition(self._lock)
         self._coordinator_channel = make_channel(coordinator)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channel)
         self._channels: dict[str, grpc.Channel] = {}
@@ -493,12 +498,22 @@ class PSClient:
         call_with_retry(attempt, target=server_id, policy=self._retry)
 
     def _issue_sequence(self, server_id: str) -> int:
-        with self._lock:
+        """The next sequence for `server_id`, waiting (bounded) while it would be more than
+        MAX_UNACKED_SEQUENCES above the acknowledged ones: servers remember only so many,
+        and refuse pushes further ahead rather than guess."""
+        deadline = time.monotonic() + self._timeout_s
+        with self._sequences_changed:
+            while (self._next_seq.get(server_id, 0) + 1 - self._acked_through.get(server_id, 0)
+                   > MAX_UNACKED_SEQUENCES):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break  # the server will say RESOURCE_EXHAUSTED: an error, not a lost push
+                self._sequences_changed.wait(remaining)
             self._next_seq[server_id] = self._next_seq.get(server_id, 0) + 1
             return self._next_seq[server_id]
 
     def _finish_sequence(self, server_id: str, sequence: int) -> None:
-        with self._lock:
+        with self._sequences_changed:
             finished = self._finished.setdefault(server_id, set())
             finished.add(sequence)
             acked = self._acked_through.get(server_id, 0)
@@ -506,6 +521,7 @@ class PSClient:
                 acked += 1
                 finished.discard(acked)
             self._acked_through[server_id] = acked
+            self._sequences_changed.notify_all()
 
     def _acked(self, server_id: str) -> int:
         with self._lock:

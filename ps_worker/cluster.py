@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,12 +67,16 @@ class Child:
         raise ClusterError(f"{self.name} was not ready within {READY_TIMEOUT_S:g} s; "
                            f"see {self.log_path}")
 
-    def stop(self, grace_s: float) -> None:
+    def stop(self, grace_s: float, impatient: threading.Event | None = None) -> None:
+        """SIGTERM, up to `grace_s` for a clean exit (cut short by `impatient`), SIGKILL."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
+            impatient = impatient or threading.Event()
+            deadline = time.monotonic() + grace_s
+            while self.process.poll() is None and time.monotonic() < deadline:
+                if impatient.wait(0.05):
+                    break
+            if self.process.poll() is None:
                 self.process.kill()
                 self.process.wait(5.0)
         self._log.close()
@@ -189,17 +194,19 @@ def main(argv: list[str] | None = None) -> int:
         children.append(coordinator)
         address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         progress.note(f"coordinator on {address}; logs in {log_dir}")
-        servers = [Child(f"server-{i}", _python(
-            "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}", "--coordinator", address,
-            *hb), log_dir) for i in range(args.servers)]
-        children += servers
+        servers, workers = [], []
+        for i in range(args.servers):  # each child is owned (stopped at exit) once it exists
+            servers.append(Child(f"server-{i}", _python(
+                "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}", "--coordinator",
+                address, *hb), log_dir))
+            children.append(servers[-1])
         for server in servers:
             server.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
-        workers = [Child(f"worker-{i}", _python(
-            "ps_worker.cli", "--coordinator", address, "--worker-id", f"worker-{i}",
-            "--device", args.device), log_dir, env=worker_environment(args.workers))
-            for i in range(args.workers)]
-        children += workers
+        for i in range(args.workers):
+            workers.append(Child(f"worker-{i}", _python(
+                "ps_worker.cli", "--coordinator", address, "--worker-id", f"worker-{i}",
+                "--device", args.device), log_dir, env=worker_environment(args.workers)))
+            children.append(workers[-1])
         progress.note(f"{args.servers} server(s), {args.workers} worker(s): training "
                       f"{job.model} on {job.data} for {job.epochs} epoch(s)")
         outcome = _monitor(address, coordinator, workers, progress, args.keep_serving)
@@ -218,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         progress.note(f"ps-cluster: unexpected {type(error).__name__}: {error}")
         outcome = {"state": "failed", "error": f"{type(error).__name__}: {error}"}
     finally:
+        # A further Ctrl-C / SIGTERM while children are being stopped must not abandon them
+        # (they run in their own sessions): it only makes the stopping impatient (SIGKILL).
+        impatient = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: impatient.set())
         # After a job that ended on the coordinator, children exit by themselves: give them
         # time to. After an interrupt or an error, stop them at once.
         ended_normally = outcome.get("state") in ("done", "failed") and "error" not in outcome
-        exits = _stop_all(children, args.heartbeat_timeout + 10.0 if ended_normally else 0.0)
+        exits = _stop_all(children, args.heartbeat_timeout + 10.0 if ended_normally else 0.0,
+                          impatient)
     outcome.update({"elapsed_s": round(time.monotonic() - started, 3), "exit_codes": exits,
                     "log_dir": str(log_dir)})
     print(json.dumps(outcome), flush=True)
@@ -283,14 +296,17 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
             time.sleep(0.25)
 
 
-def _stop_all(children: list[Child], wait_s: float) -> dict[str, int | None]:
+def _stop_all(children: list[Child], wait_s: float,
+              impatient: threading.Event) -> dict[str, int | None]:
     """Let children that are finishing exit by themselves (bounded), then stop the rest:
-    workers first, then servers, then the coordinator."""
+    workers first, then servers, then the coordinator. Once `impatient` is set, whatever is
+    left is killed at once."""
     deadline = time.monotonic() + wait_s
     while any(c.returncode is None for c in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        if impatient.wait(0.1):
+            break
     for child in reversed(children):
-        child.stop(grace_s=5.0)
+        child.stop(grace_s=0.0 if impatient.is_set() else 5.0, impatient=impatient)
     return {c.name: c.returncode for c in children}
 
 

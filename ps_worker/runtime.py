@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ps_common.job import JobSpec
+from ps_common.rpc import RetryPolicy
 from ps_common.shardmap import Component, VariableSpec
 from ps_worker.backend import ArrayBackend, select_backend
 from ps_worker.client import PSClient
@@ -33,6 +34,11 @@ from ps_worker.data import Dataset, iter_batches, load_dataset, task_indices
 from ps_worker.models import build_model
 
 log = logging.getLogger("ps-worker")
+
+
+# A worker rides out a parameter server's restart (about a minute of retrying a call) rather
+# than giving up its task after PSClient's default few seconds.
+SERVER_OUTAGE_RETRY = RetryPolicy(max_attempts=40, initial_backoff_s=0.05, max_backoff_s=2.0)
 
 
 class JobOver(Exception):
@@ -212,7 +218,7 @@ class Worker:
     def _serve_incarnation(self, trainer: Trainer) -> None:
         """Lease and run tasks until the job is over; raises Fenced to re-register."""
         with PSClient(self.config.coordinator, client_id=self.worker_id,
-                      incarnation=self._incarnation,
+                      incarnation=self._incarnation, retry=SERVER_OUTAGE_RETRY,
                       max_in_flight_pushes=self.config.max_in_flight_pushes) as ps:
             ps.declare_many(trainer.specs)
             while True:

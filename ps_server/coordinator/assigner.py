@@ -82,8 +82,10 @@ class Assigner:
         self._pool.submit(run)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # Channels first: closing them cancels assignments in flight, so that stopping the
+        # coordinator never waits out a stalled server's RPC deadline.
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -271,8 +271,9 @@ class JobRunner:
 
     def report_job_error(self, worker_id: str, incarnation: int, message: str) -> bool:
         """A worker cannot run the job (data or model does not load). It is marked dead with
-        the message as reason and its tasks go back; if no task has been done yet, nobody
-        can run this job and it fails. Returns True if the job failed."""
+        the message as reason and its tasks go back. If no task has been done yet and no
+        live worker is left, nobody has shown the job can run: it fails (one worker with a
+        broken mount among healthy ones does not fail the job). Returns True if it failed."""
         now = self._clock.monotonic()
         with self._lock:
             self._reap()
@@ -280,7 +281,8 @@ class JobRunner:
             if worker is not None:
                 self._mark_dead(worker, now, f"cannot run the job: {message}")
             progressed = any(t.state is TaskState.DONE for t in self._tasks.values())
-            if self.state is JobState.RUNNING and not progressed:
+            others = any(w.state is WorkerState.ALIVE for w in self._workers.values())
+            if self.state is JobState.RUNNING and not progressed and not others:
                 self.state = JobState.FAILED
                 self._finished_at = now
                 self.failure = f"worker {worker_id} cannot run the job: {message}"

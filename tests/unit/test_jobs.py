@@ -431,3 +431,17 @@ def test_a_worker_that_cannot_load_a_running_job_leaves_without_failing_it():
     assert runner.state is JobState.RUNNING
     outcome, again = runner.lease("good", good)
     assert outcome == "task" and again.task_id == leased.task_id  # its task went back
+
+
+def test_one_broken_worker_among_live_ones_does_not_fail_the_job():
+    from ps_common.clock import FakeClock
+    from ps_common.job import JobSpec
+    from ps_server.coordinator.jobs import JobRunner, JobState
+
+    runner = JobRunner(JobSpec(epochs=1, tasks_per_epoch=2), FakeClock(),
+                       heartbeat_timeout_s=5.0)
+    healthy = runner.register_worker("healthy")
+    broken = runner.register_worker("broken")
+    assert not runner.report_job_error("broken", broken, "no such file")
+    assert runner.state is JobState.RUNNING
+    assert runner.lease("healthy", healthy)[0] == "task"

@@ -121,19 +121,24 @@ def test_unknown_client_has_nothing_pending():
     assert PushLedger().pending("nobody") == 0
 
 
-def test_max_pending_bounds_memory_and_never_reapplies():
-    ledger = PushLedger(max_pending=3)
-    applied: list[int] = []
-    for seq in range(2, 60, 2):  # gaps everywhere, so nothing folds into the floor by itself
+def test_max_pending_refuses_to_run_further_ahead_instead_of_guessing():
+    from ps_common.errors import ResourceExhausted
+
+    ledger = PushLedger(max_pending=6)
+    for seq in (2, 4, 6):  # sequence 1 is still on its way (e.g. retrying)
         assert attempt(ledger, "w1", 1, seq) is False
-        applied.append(seq)
-        assert ledger.pending("w1") <= 3
-    # Nothing already applied is ever applied again, however long ago.
-    for seq in applied:
+    with pytest.raises(ResourceExhausted):
+        attempt(ledger, "w1", 1, 7)  # more than 6 above the floor (0)
+    assert ledger.pending("w1") == 3
+    # The late sequence is still applied, never mistaken for a duplicate...
+    assert attempt(ledger, "w1", 1, 1) is False
+    # ...and nothing already applied is applied again.
+    for seq in (1, 2, 4, 6):
         assert attempt(ledger, "w1", 1, seq) is True, seq
-        assert ledger.pending("w1") <= 3
-    # The newest gap above the retained window is still open.
-    assert attempt(ledger, "w1", 1, 59) is False
+    # Once the client acknowledges, it may go on.
+    with ledger.exactly_once("w1", 1, 12, acked_through=6) as duplicate:
+        assert duplicate is False
+    assert ledger.pending("w1") == 1
 
 
 def test_max_clients_is_an_lru_bound():

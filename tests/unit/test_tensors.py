@@ -330,6 +330,8 @@ def test_chunk_codec_skips_unknown_fields_like_protobuf():
     b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # overlong varint
     b"\x13",                   # wire type 3 (groups) is not supported
     b"\x21\x00",              # a 64-bit field cut short
+    b"\x02\x00",              # field number 0
+    b"\x0a\x00\x0a\x00",      # two headers in one chunk (protobuf would merge them)
 ])
 def test_malformed_chunk_messages_are_invalid_argument(raw):
     with pytest.raises(_InvalidArgument):
