@@ -91,8 +91,10 @@ def variable_specs(model, job: JobSpec) -> list[VariableSpec]:
 class Trainer:
     """Runs tasks of one job against one PSClient. Not thread-safe: one per worker."""
 
-    def __init__(self, job: JobSpec, dataset: Dataset, model, backend: ArrayBackend):
+    def __init__(self, job: JobSpec, dataset: Dataset, model, backend: ArrayBackend,
+                 push_window: int = 2):
         self.job = job
+        self.push_window = push_window
         self.dataset = dataset
         self.model = model
         self.backend = backend
@@ -124,7 +126,7 @@ class Trainer:
             params = self._on_device(host)
             loss, grads, correct = self._step(params, (x, y))
             result.correct += correct
-            host_grads = {n: self.backend.to_host(g) for n, g in grads.items()}
+            host_grads = self.grads_to_host(grads, step)
             self.backend.synchronize()
             ps.push_async(host_grads)
             result.loss_sum += float(loss) * len(y)
@@ -133,6 +135,18 @@ class Trainer:
         ps.flush()  # the task counts as done only once its updates have landed
         result.seconds = time.monotonic() - started
         return result
+
+    def grads_to_host(self, grads: dict, step: int) -> dict[str, np.ndarray]:
+        """Gradients as host arrays for the push. On a GPU they land in reusable pinned
+        buffers: a ring one longer than the push window, so a buffer is reused only after
+        the push that read it has finished (push_async blocks while the window is full).
+        NumPy gradients already are host arrays: no copy."""
+        if self.backend.name == "numpy":
+            return {n: np.asarray(g) for n, g in grads.items()}
+        slot = step % (self.push_window + 1)
+        return {n: self.backend.to_host(
+                    g, out=self.backend.host_buffer(f"{n}/grad#{slot}", g.shape, g.dtype))
+                for n, g in grads.items()}
 
     def _step(self, params: dict, batch) -> tuple[float, dict, int]:
         """(loss, grads, rows classified right): in one pass where the model offers it,
@@ -192,7 +206,8 @@ class Worker:
             failed = self._coordinator.report_job_error(self.worker_id, self._incarnation,
                                                         str(error))
             raise JobCannotRun(str(error), job_failed=failed) from None
-        trainer = Trainer(job, dataset, model, backend)
+        trainer = Trainer(job, dataset, model, backend,
+                          push_window=self.config.max_in_flight_pushes)
         log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
                  self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)
         heartbeat = threading.Thread(
