@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from ps_common.errors import InvalidArgument
 from ps_common.status import translate_errors
 from ps_common.tensors import (
-    Chunk, StreamAssembler, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
-    encode_chunk, iter_chunks, view_bytes,
+    Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
+    encode_chunk, iter_chunks,
 )
 from ps_common.wire import shard_from_proto, spec_from_proto
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.buffers import BufferPool
 from ps_server.ledger import PushLedger
+from ps_server.pushes import PushHeader, PushReceiver
 from ps_server.store import ShardStore
 
 
@@ -26,9 +26,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int,
                  buffers: BufferPool | None = None):
         self._store = store
-        self._ledger = ledger
         self._chunk_bytes = chunk_bytes
-        self._buffers = buffers or BufferPool()
+        self._pushes = PushReceiver(store, ledger, buffers or BufferPool())
 
     def Pull(self, request: pb.PullRequest, context):
         with translate_errors(context, "Pull"):
@@ -53,48 +52,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 h = pb.PushHeader.FromString(first.header)
             except DecodeError:
                 raise InvalidArgument("malformed push header") from None
-            if not h.client_id or h.sequence < 1:
-                raise InvalidArgument(
-                    "push header needs a client_id and a sequence >= 1 (exactly-once identity)")
-            if self._ledger.applied(h.client_id, h.incarnation, h.sequence):
-                # Checked before the epoch: a retry of an applied push must be answered
-                # 'duplicate' even after the map moved on, or its sender would resend it
-                # as new work.
-                for _ in chunks:
-                    pass
-                return pb.PushReply(duplicate=True)
-            refs = [(r.variable, r.index) for r in h.shards]
-            metas = [TensorMeta.from_proto(t, what=f"push tensor {i}")
-                     for i, t in enumerate(h.tensors)]
-            targets = self._store.plan_push(h.epoch, refs, metas)
-            buffers = [self._buffers.acquire(meta.nbytes) for meta in metas]
-            try:
-                assembler = StreamAssembler(buffers, what="push")
-                assembler.write(first.data)
-                for chunk in chunks:
-                    if chunk.header is not None:
-                        raise InvalidArgument("push stream carries a second header")
-                    assembler.write(chunk.data)
-                assembler.finish()
-                grads = [self._decode(buf, meta, held.spec.dtype)
-                         for buf, meta, held in zip(buffers, metas, targets)]
-                self._store.check_gradients(targets, grads)
-                with self._ledger.exactly_once(
-                    h.client_id, h.incarnation, h.sequence, h.acked_through
-                ) as duplicate:
-                    if not duplicate:
-                        self._store.apply(targets, grads)
-            finally:
-                for buffer in buffers:
-                    self._buffers.release(buffer)
+            header = PushHeader(
+                client_id=h.client_id, incarnation=h.incarnation, sequence=h.sequence,
+                acked_through=h.acked_through, epoch=h.epoch,
+                refs=[(r.variable, r.index) for r in h.shards],
+                metas=[TensorMeta.from_proto(t, what=f"push tensor {i}")
+                       for i, t in enumerate(h.tensors)])
+            duplicate = self._pushes.receive(header, first.data, map(_data_only, chunks))
             return pb.PushReply(duplicate=duplicate)
-
-    @staticmethod
-    def _decode(buffer: np.ndarray, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
-        grad = view_bytes(buffer, meta)
-        # Views of our own receive buffer are writable: the optimizer uses the gradient as
-        # scratch, and the buffer is reused once the push is done.
-        return grad if grad.dtype == stored_dtype else grad.astype(stored_dtype)
 
     def AssignShards(self, request: pb.AssignShardsRequest, context):
         with translate_errors(context, "AssignShards"):
@@ -102,6 +67,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             shards = [shard_from_proto(s) for s in request.shards]
             created = self._store.assign(request.epoch, specs, shards)
             return pb.AssignShardsReply(shards_created=created)
+
+
+def _data_only(chunk: Chunk):
+    if chunk.header is not None:
+        raise InvalidArgument("push stream carries a second header")
+    return chunk.data
 
 
 def _checked(chunk: Chunk | InvalidArgument) -> Chunk:

@@ -28,6 +28,8 @@ DOMAIN_MODULES = [
     "ps_server/optimizers.py",
     "ps_server/initializers.py",
     "ps_server/ledger.py",
+    "ps_server/pushes.py",
+    "ps_server/buffers.py",
     "ps_server/coordinator/placement.py",
     "ps_server/coordinator/state.py",
     "ps_server/coordinator/jobs.py",

@@ -1,0 +1,80 @@
+"""Receiving one push: the exactly-once, all-or-nothing sequence of steps, without grpc.
+
+The servicer decodes the header and hands over the stream of data pieces; this module
+checks the dedup ledger (before the epoch: a retry of an applied push is a duplicate even
+after the map moved on), validates the header against the shards, assembles the bytes into
+pooled buffers, checks the gradients, and applies them under the ledger's exactly-once guard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from ps_common.errors import InvalidArgument
+from ps_common.tensors import StreamAssembler, TensorMeta, view_bytes
+from ps_server.buffers import BufferPool
+from ps_server.ledger import PushLedger
+from ps_server.store import ShardStore
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    client_id: str
+    incarnation: int
+    sequence: int
+    acked_through: int
+    epoch: int
+    refs: list[tuple[str, int]]
+    metas: list[TensorMeta]
+
+
+class PushReceiver:
+    """Thread-safe (the store, ledger and pool are)."""
+
+    def __init__(self, store: ShardStore, ledger: PushLedger, buffers: BufferPool):
+        self._store = store
+        self._ledger = ledger
+        self._buffers = buffers
+
+    def receive(self, header: PushHeader, first_data, more_data: Iterable) -> bool:
+        """Apply the push exactly once; returns True if it had been applied already.
+
+        `more_data` yields the data of the following chunks (it raises for a malformed
+        stream); everything is validated before anything is applied.
+        """
+        if not header.client_id or header.sequence < 1:
+            raise InvalidArgument(
+                "push header needs a client_id and a sequence >= 1 (exactly-once identity)")
+        if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
+            for _ in more_data:  # drain: the sender is still streaming
+                pass
+            return True
+        targets = self._store.plan_push(header.epoch, header.refs, header.metas)
+        buffers = [self._buffers.acquire(meta.nbytes) for meta in header.metas]
+        try:
+            assembler = StreamAssembler(buffers, what="push")
+            assembler.write(first_data)
+            for data in more_data:
+                assembler.write(data)
+            assembler.finish()
+            grads = [_decode(buf, meta, held.spec.dtype)
+                     for buf, meta, held in zip(buffers, header.metas, targets)]
+            self._store.check_gradients(targets, grads)
+            with self._ledger.exactly_once(header.client_id, header.incarnation,
+                                           header.sequence, header.acked_through) as duplicate:
+                if not duplicate:
+                    self._store.apply(targets, grads)
+            return duplicate
+        finally:
+            for buffer in buffers:
+                self._buffers.release(buffer)
+
+
+def _decode(buffer: np.ndarray, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
+    grad = view_bytes(buffer, meta)
+    # Views of our own receive buffer are writable: the optimizer uses the gradient as
+    # scratch, and the buffer is reused once the push is done.
+    return grad if grad.dtype == stored_dtype else grad.astype(stored_dtype)
