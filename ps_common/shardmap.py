@@ -150,9 +150,6 @@ class ShardMap:
     def shards_on(self, server_id: str) -> list[Shard]:
         return [s for shards in self.shards.values() for s in shards if s.server_id == server_id]
 
-    def bytes_on(self, server_id: str) -> int:
-        return sum(s.nbytes(self.variables[s.variable]) for s in self.shards_on(server_id))
-
 
 EMPTY_MAP = ShardMap(epoch=0, servers={}, variables={}, shards={})
 

@@ -41,10 +41,6 @@ log = logging.getLogger("ps-worker")
 SERVER_OUTAGE_RETRY = RetryPolicy(max_attempts=40, initial_backoff_s=0.05, max_backoff_s=2.0)
 
 
-class JobOver(Exception):
-    """The coordinator says the job is over (or the worker was asked to stop)."""
-
-
 class JobCannotRun(ValueError):
     """The job's data or model does not load on this worker (reported to the coordinator)."""
 

@@ -24,10 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
-from ps_common.status import RemoteError
 from ps_worker.coordinator_client import CoordinatorClient, LeaseRevoked
 
 pytestmark = pytest.mark.system
