@@ -45,6 +45,24 @@ class FencedIncarnation(PSError):
     code = "FAILED_PRECONDITION"
 
 
+class TrainedShardConflict(PSError):
+    """An assignment would drop or re-create a shard that holds trained values."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class NotAuthorized(PSError):
+    """A control-plane call that does not come from the coordinator this server obeys."""
+
+    code = "PERMISSION_DENIED"
+
+
+class DataLost(PSError):
+    """Trained values are gone (a server came back without the shards it held)."""
+
+    code = "DATA_LOSS"
+
+
 class StaleEpoch(PSError):
     """The request used an outdated shard map: refresh it from the coordinator and retry."""
 

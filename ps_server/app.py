@@ -10,9 +10,12 @@ from dataclasses import dataclass
 import grpc
 
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, check_chunk_bytes, make_channel
+from ps_common.wire import shard_to_proto, shardmap_to_proto, spec_to_proto
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ps_server.control import CoordinatorFence
 from ps_server.daemon import Daemon
 from ps_server.ledger import PushLedger
+from ps_server.memory import default_memory_budget
 from ps_server.servicer import ParameterServerServicer, add_to_server
 from ps_server.store import ShardStore
 
@@ -30,7 +33,8 @@ class ServerConfig:
     # address, or HOSTNAME:PORT when bound to all interfaces (containers, pods).
     advertise_address: str | None = None
     coordinator: str | None = None
-    memory_budget_bytes: int = 0
+    # None: a share of the machine's memory (ps_server.memory); 0: no limit.
+    memory_budget_bytes: int | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     allow_non_finite: bool = False
     grace_s: float = 5.0
@@ -41,7 +45,7 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not in 0..65535")
         check_chunk_bytes(self.chunk_bytes, what="--chunk-bytes")
-        if self.memory_budget_bytes < 0:
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 0:
             raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be >= 0")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("--heartbeat-interval must be > 0")
@@ -65,7 +69,11 @@ class ParameterServer:
         self.config = config
         self.store = ShardStore(allow_non_finite=config.allow_non_finite)
         self.ledger = PushLedger()
-        servicer = ParameterServerServicer(self.store, self.ledger, chunk_bytes=config.chunk_bytes)
+        self.fence = CoordinatorFence()
+        self.memory_budget_bytes = (default_memory_budget() if config.memory_budget_bytes is None
+                                    else config.memory_budget_bytes)
+        servicer = ParameterServerServicer(self.store, self.ledger, fence=self.fence,
+                                           chunk_bytes=config.chunk_bytes)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: add_to_server(servicer, s),
@@ -73,7 +81,7 @@ class ParameterServer:
         )
         self.bound_address, self.port = self._daemon.address, self._daemon.port
         self.address = config.advertise_address or advertised_address(config.host, self.port)
-        self.server_id = config.server_id or self.address
+        self.server_id = servicer.server_id = config.server_id or self.address
         self._stop = threading.Event()
         self._membership: threading.Thread | None = None
         self.registered = threading.Event()
@@ -104,6 +112,15 @@ class ParameterServer:
 
     # ---- coordinator membership -------------------------------------------------------
 
+    def _registration(self) -> coordinator_pb2.RegisterServerRequest:
+        """What this server holds, so that a restarted coordinator rebuilds its view from it."""
+        held = [coordinator_pb2.HeldShard(spec=spec_to_proto(h.spec), shard=shard_to_proto(h.shard),
+                                          updates=h.updates) for h in self.store.held()]
+        return coordinator_pb2.RegisterServerRequest(
+            server_id=self.server_id, address=self.address,
+            memory_budget_bytes=self.memory_budget_bytes, epoch=self.store.epoch, held=held,
+            last_map=shardmap_to_proto(self.fence.last_map), generation=self.fence.generation)
+
     def _membership_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
         with make_channel(self.config.coordinator) as channel:
@@ -112,17 +129,21 @@ class ParameterServer:
             while not self._stop.is_set():
                 try:
                     if not registered:
-                        stub.RegisterServer(coordinator_pb2.RegisterServerRequest(
-                            server_id=self.server_id, address=self.address,
-                            memory_budget_bytes=self.config.memory_budget_bytes,
-                        ), timeout=5.0)
+                        reply = stub.RegisterServer(self._registration(), timeout=5.0)
+                        self.fence.adopt(reply.generation, reply.control_token)
                         registered = True
                         self.registered.set()
-                        log.info("registered with coordinator %s as %s",
-                                 self.config.coordinator, self.server_id)
+                        log.info("registered with coordinator %s (generation %d) as %s, "
+                                 "holding %d shard(s)", self.config.coordinator,
+                                 reply.generation, self.server_id, len(self.store.held()))
+                    generation = self.fence.generation
                     reply = stub.ServerHeartbeat(coordinator_pb2.ServerHeartbeatRequest(
-                        server_id=self.server_id, epoch=self.store.epoch), timeout=5.0)
+                        server_id=self.server_id, epoch=self.store.epoch, generation=generation,
+                        retired_through=self.fence.retired_through), timeout=5.0)
                     registered = reply.known
+                    for client in reply.retired:
+                        self.ledger.retire(client.client_id, client.incarnation)
+                    self.fence.advance_retired(generation, reply.retired_through)
                     if reply.shutdown:
                         log.info("the coordinator says the job is over: shutting down")
                         threading.Thread(target=self.stop, name="ps-server-shutdown",

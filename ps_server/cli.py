@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-id", help="stable id of this server (default: its address); a "
                    "restarted server must keep its id")
     p.add_argument("--coordinator", type=parse_address, help="coordinator HOST:PORT to register with")
-    p.add_argument("--memory-budget", type=parse_bytes, default=0,
-                   help="bytes of values + optimizer slots this server may hold (0 = no limit)")
+    p.add_argument("--memory-budget", type=parse_bytes, default=None,
+                   help="bytes of values + optimizer slots this server may hold (default: 70%% "
+                   "of the machine's or container's memory; 0 = no limit)")
     p.add_argument("--chunk-bytes", type=parse_bytes, default=DEFAULT_CHUNK_BYTES,
                    help="size of streamed tensor chunks (default 2MiB)")
     p.add_argument("--allow-non-finite", action="store_true",

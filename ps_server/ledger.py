@@ -5,8 +5,15 @@ has finished on the client and will never be resent), and the ledger forgets tho
 more than `max_pending` sequences above that floor is refused with RESOURCE_EXHAUSTED, so at
 most `max_pending` sequences are remembered per client. (Never guessed at: folding old
 sequences into the floor would answer a late retry 'duplicate' without applying it, a lost
-update.) PSClient never runs that far ahead of its acknowledgements. The number of clients is bounded LRU-style by
-`max_clients`; a client evicted from it loses its dedup state (with thousands of clients).
+update.) PSClient never runs that far ahead of its acknowledgements.
+
+The number of clients is bounded too, but never by forgetting a client that may still
+retry: a client the ledger does not know yet is refused with RESOURCE_EXHAUSTED while
+`max_clients` live clients are held. A client leaves the live table only when the
+coordinator declares its incarnation gone (`retire`): it closed, it was declared dead, or a
+newer incarnation replaced it. What remains of it is a fence (client id -> incarnation): a
+late push of that incarnation or an older one is refused as fenced. Fences are small; at
+most `max_clients` are kept, and the oldest fence is the one forgotten when more are needed.
 """
 
 from __future__ import annotations
@@ -25,26 +32,58 @@ class _ClientRecord:
     floor: int = 0  # every sequence <= floor counts as applied
     applied: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    retired: bool = False  # this incarnation is gone: only its fence matters
 
 
 class PushLedger:
     """Thread-safe. Pushes of one client are applied one at a time; clients run in parallel."""
 
-    def __init__(self, max_clients: int = 4096, max_pending: int = 4096):
+    def __init__(self, max_clients: int = 65536, max_pending: int = 4096):
         self._max_clients = max_clients
         self._max_pending = max_pending
-        self._clients: OrderedDict[str, _ClientRecord] = OrderedDict()
+        self._clients: dict[str, _ClientRecord] = {}  # live clients
+        self._fences: OrderedDict[str, int] = OrderedDict()  # retired client -> incarnation
         self._lock = threading.Lock()
 
     def _record(self, client_id: str, incarnation: int) -> _ClientRecord:
         with self._lock:
             record = self._clients.get(client_id)
-            if record is None:
-                record = self._clients[client_id] = _ClientRecord(incarnation)
-                while len(self._clients) > self._max_clients:
-                    self._clients.popitem(last=False)
-            self._clients.move_to_end(client_id)
+            if record is not None:
+                return record
+            fenced = self._fences.get(client_id)
+            if fenced is not None and incarnation <= fenced:
+                raise FencedIncarnation(
+                    f"client {client_id!r} incarnation {incarnation} is gone (the coordinator "
+                    f"retired incarnation {fenced}): register again")
+            if len(self._clients) >= self._max_clients:
+                raise ResourceExhausted(
+                    f"this server holds the exactly-once state of {self._max_clients} live "
+                    f"clients, its limit; client {client_id!r} is refused until clients close "
+                    "(PSClient.close) or are declared gone by the coordinator")
+            self._fences.pop(client_id, None)
+            record = self._clients[client_id] = _ClientRecord(incarnation)
             return record
+
+    def retire(self, client_id: str, incarnation: int) -> None:
+        """The coordinator says `incarnation` of `client_id` will never push again: forget its
+        dedup state, keep a fence against it. A newer live incarnation is left alone."""
+        with self._lock:
+            record = self._clients.get(client_id)
+            if record is not None:
+                with record.lock:
+                    if record.incarnation > incarnation:
+                        return
+                    record.retired = True
+                del self._clients[client_id]
+            if incarnation > self._fences.get(client_id, 0):
+                self._fences[client_id] = incarnation
+                self._fences.move_to_end(client_id)
+            while len(self._fences) > self._max_clients:
+                self._fences.popitem(last=False)
+
+    def live_clients(self) -> int:
+        with self._lock:
+            return len(self._clients)
 
     @contextlib.contextmanager
     def exactly_once(self, client_id: str, incarnation: int, sequence: int, acked_through: int):
@@ -55,6 +94,10 @@ class PushLedger:
         """
         record = self._record(client_id, incarnation)
         with record.lock:
+            if record.retired:  # retired while we waited for its lock: look again
+                raise FencedIncarnation(
+                    f"client {client_id!r} incarnation {incarnation} was retired by the "
+                    "coordinator: register again")
             if incarnation < record.incarnation:
                 raise FencedIncarnation(
                     f"client {client_id!r} pushed with incarnation {incarnation}, but "

@@ -11,10 +11,11 @@ from ps_common.tensors import (
     Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
     encode_chunk, iter_chunks,
 )
-from ps_common.wire import shard_from_proto, spec_from_proto
+from ps_common.wire import shard_to_proto, shardmap_from_proto
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.buffers import BufferPool
+from ps_server.control import CoordinatorFence
 from ps_server.ledger import PushLedger
 from ps_server.pushes import PushHeader, PushReceiver
 from ps_server.store import ShardStore
@@ -24,8 +25,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """Thread-safe: every handler may run concurrently with every other."""
 
     def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int,
+                 fence: CoordinatorFence, server_id: str = "",
                  buffers: BufferPool | None = None):
         self._store = store
+        # Set by the app once the port is bound (a server's id defaults to its address).
+        self.server_id = server_id
+        self._fence = fence
         self._chunk_bytes = chunk_bytes
         self._pushes = PushReceiver(store, ledger, buffers or BufferPool())
 
@@ -63,10 +68,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def AssignShards(self, request: pb.AssignShardsRequest, context):
         with translate_errors(context, "AssignShards"):
-            specs = {v.name: spec_from_proto(v) for v in request.variables}
-            shards = [shard_from_proto(s) for s in request.shards]
-            created = self._store.assign(request.epoch, specs, shards)
-            return pb.AssignShardsReply(shards_created=created)
+            self._fence.check(request.generation, request.control_token)
+            shard_map = shardmap_from_proto(request.map)
+            outcome = self._store.assign(
+                shard_map.epoch, shard_map.variables, shard_map.shards_on(self.server_id))
+            self._fence.remember_map(shard_map)
+            return pb.AssignShardsReply(
+                shards_created=outcome.created,
+                failed=[pb.ShardFailure(shard=shard_to_proto(shard), message=message)
+                        for shard, message in outcome.failed])
 
 
 def _data_only(chunk: Chunk):

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ps_common.errors import InvalidArgument, NotReady, StaleEpoch, UnknownVariable
+from ps_common.errors import (
+    InvalidArgument, NotReady, StaleEpoch, TrainedShardConflict, UnknownVariable,
+)
 from ps_common.shardmap import Shard, VariableSpec
 from ps_common.tensors import TensorMeta, check_narrowing
 from ps_server.initializers import initialize_rows, validate_initializer
@@ -31,6 +33,7 @@ class HeldShard:
     state: ShardOptimizerState
     knobs: dict[str, float]
     lock: threading.Lock = field(default_factory=threading.Lock)
+    updates: int = 0  # pushes applied (under `lock`): > 0 means trained values
 
     @property
     def key(self) -> tuple[str, int]:
@@ -43,6 +46,12 @@ class HeldShard:
     def describe(self) -> str:
         s = self.shard
         return f"variable {s.variable!r} shard {s.index} (rows {s.row_start}:{s.row_stop})"
+
+
+@dataclass(frozen=True)
+class AssignOutcome:
+    created: int
+    failed: list[tuple[Shard, str]]  # shards that could not be created, and why
 
 
 class ShardStore:
@@ -62,14 +71,20 @@ class ShardStore:
         with self._lock:
             return self._epoch
 
-    def assign(self, epoch: int, specs: dict[str, VariableSpec], shards: list[Shard]) -> int:
+    def assign(self, epoch: int, specs: dict[str, VariableSpec],
+               shards: list[Shard]) -> AssignOutcome:
         """Hold exactly `shards` from `epoch` on: create missing ones, drop unlisted ones.
 
         Idempotent, and serialized: a repeated delivery of the same assignment (the
         coordinator resends it while a large shard is still being initialized) waits for
         the first and then finds every shard in place, so no shard is ever created twice and
-        no applied push is lost to a fresh copy. An assignment older than the current
-        epoch is ignored. Returns the number of shards created.
+        no applied push is lost to a fresh copy.
+
+        Refused, changing nothing: an assignment older than the held epoch (StaleEpoch), and
+        one that would drop or re-create a shard holding trained values (any applied push):
+        TrainedShardConflict. A shard that cannot be created (its memory runs out) is
+        reported in the outcome and never blocks the others: the rest are created and the
+        epoch is adopted.
         """
         for shard in shards:
             spec = specs.get(shard.variable)
@@ -85,10 +100,19 @@ class ShardStore:
         with self._assign_lock:
             with self._lock:
                 if epoch < self._epoch:
-                    return 0
+                    raise StaleEpoch(epoch, self._epoch)
                 current = dict(self._shards)
             wanted = {s.key: s for s in shards}
-            created = {}
+            for key, held in current.items():
+                shard = wanted.get(key)
+                if held.updates and (shard is None or held.spec != specs[shard.variable]
+                                     or held.shard != shard):
+                    raise TrainedShardConflict(
+                        f"assignment of epoch {epoch} would "
+                        f"{'drop' if shard is None else 're-create'} {held.describe()}, which "
+                        f"holds trained values ({held.updates} update(s)); refused")
+            created: dict[tuple[str, int], HeldShard] = {}
+            failed: list[tuple[Shard, str]] = []
             for key, shard in wanted.items():
                 spec = specs[shard.variable]
                 held = current.get(key)
@@ -96,15 +120,28 @@ class ShardStore:
                     continue
                 # Initialization of a large shard takes seconds: outside the store lock, so
                 # pulls and pushes of other shards go on meanwhile.
-                values = initialize_rows(spec, shard.row_start, shard.row_stop)
-                created[key] = HeldShard(
-                    spec, shard, values, make_state(spec, values.shape), resolve_knobs(spec))
+                try:
+                    values = initialize_rows(spec, shard.row_start, shard.row_stop)
+                    state = make_state(spec, values.shape)
+                except MemoryError:
+                    failed.append((shard, (
+                        f"out of memory creating shard {shard.index} of {spec.name!r} (rows "
+                        f"{shard.row_start}:{shard.row_stop}, "
+                        f"{shard.nbytes(spec) / 2**20:.1f} MiB of values)")))
+                    continue
+                created[key] = HeldShard(spec, shard, values, state, resolve_knobs(spec))
             with self._lock:
-                self._shards = {key: created.get(key) or current[key] for key in wanted}
+                kept = {key: held for key, held in current.items() if key in wanted
+                        and held.shard == wanted[key] and held.spec == specs[key[0]]}
+                self._shards = {**kept, **created}
                 self._epoch = epoch
-        if created:
-            log.info("epoch %d: created %d shard(s), holding %d", epoch, len(created), len(wanted))
-        return len(created)
+        if created or failed:
+            log.info("epoch %d: created %d shard(s), holding %d%s", epoch, len(created),
+                     len(wanted) - len(failed),
+                     f"; could not create {len(failed)}" if failed else "")
+        for _, message in failed:
+            log.error("%s", message)
+        return AssignOutcome(len(created), failed)
 
     def check_epoch(self, request_epoch: int) -> None:
         current = self.epoch
@@ -197,6 +234,7 @@ class ShardStore:
         try:
             for held, grad in ordered:
                 apply_update(held.spec, held.knobs, held.values, held.state, grad)
+                held.updates += 1
         finally:
             for held, _ in ordered:
                 held.lock.release()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -27,7 +28,8 @@ class FaultInjector(grpc.ServerInterceptor):
     """Server interceptor that fails chosen calls with a chosen status. Thread-safe.
 
     `fail_next(method, n, code)` fails the next n calls of `method` (e.g. "Push") before
-    they run; `drop_response_next(method, n, then=fn)` runs the next n calls, calls `fn()`
+    they run; `hold_next(method, until)` makes the next call wait for the event `until`
+    before it runs (a slow or stalled server); `drop_response_next(method, n, then=fn)` runs the next n calls, calls `fn()`
     (e.g. to move the shard map while the response is "in flight"), and then replaces their
     response with UNAVAILABLE, as a lost response would look to the client.
     """
@@ -37,12 +39,17 @@ class FaultInjector(grpc.ServerInterceptor):
         self._fail: dict[str, list] = {}
         self._drop: dict[str, int] = {}
         self._then: dict[str, object] = {}
+        self._hold: dict[str, threading.Event] = {}
         self.calls: dict[str, int] = {}
 
     def fail_next(self, method: str, n: int = 1,
                   code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         with self._lock:
             self._fail[method] = [n, code]
+
+    def hold_next(self, method: str, until: threading.Event) -> None:
+        with self._lock:
+            self._hold[method] = until
 
     def drop_response_next(self, method: str, n: int = 1, then=None) -> None:
         with self._lock:
@@ -52,6 +59,9 @@ class FaultInjector(grpc.ServerInterceptor):
     def _take(self, method: str):
         with self._lock:
             self.calls[method] = self.calls.get(method, 0) + 1
+            hold = self._hold.pop(method, None)
+            if hold is not None:
+                return "hold", hold
             fail = self._fail.get(method)
             if fail and fail[0] > 0:
                 fail[0] -= 1
@@ -72,6 +82,8 @@ class FaultInjector(grpc.ServerInterceptor):
 
         def wrapped(request, context):
             action, code = self._take(method)
+            if action == "hold":
+                code.wait(timeout=60.0)  # bounded: a forgotten event never hangs a server
             if action == "fail":
                 context.abort(code, f"injected failure of {method}")
             result = behavior(request, context)
@@ -91,19 +103,23 @@ class InProcessCluster:
 
     `.coordinator_address`, `.servers` (ParameterServer objects), `.coordinator`,
     `.faults` (a FaultInjector installed on every server). `restart_server(i)` stops server i
-    and starts a fresh one with the same id on the same port (shards re-created by the
-    coordinator, as after a crash without checkpoints).
+    and starts a fresh one with the same id on the same port, as after a crash without
+    checkpoints: the coordinator finds its trained shards lost (DATA_LOSS), or re-creates
+    them from their initializers with `reinitialize_lost_shards=True`.
+    `restart_coordinator()` replaces the coordinator with a fresh one on the same port.
     """
 
     def __init__(self, servers: int = 2, *, split_threshold_bytes: int = 64 * 1024 * 1024,
                  chunk_bytes: int | None = None, allow_non_finite: bool = False,
-                 memory_budget_bytes: int = 0, heartbeat_interval_s: float = 0.2,
-                 ready_timeout_s: float = 10.0):
+                 memory_budget_bytes: int | None = None, heartbeat_interval_s: float = 0.2,
+                 ready_timeout_s: float = 10.0, reinitialize_lost_shards: bool = False,
+                 server_timeout_s: float = 60.0):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_interval_s * 10,
-            split_threshold_bytes=split_threshold_bytes, grace_s=1.0)
+            split_threshold_bytes=split_threshold_bytes, grace_s=1.0,
+            reinitialize_lost_shards=reinitialize_lost_shards, server_timeout_s=server_timeout_s)
         self._server_kwargs = dict(
             heartbeat_interval_s=heartbeat_interval_s, allow_non_finite=allow_non_finite,
             memory_budget_bytes=memory_budget_bytes, grace_s=1.0)
@@ -140,6 +156,34 @@ class InProcessCluster:
         for server in self.servers:
             if not server.registered.wait(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"server {server.server_id} did not register in time")
+
+    def wait_until_synced(self, timeout_s: float | None = None) -> None:
+        """Wait until every server holds the coordinator's current shard-map epoch (a
+        declaration waits only for the servers holding what it declares; the others get
+        the new map in the background)."""
+        deadline = time.monotonic() + (timeout_s or self._ready_timeout_s)
+        while True:
+            epoch = self.coordinator.state.shard_map.epoch
+            behind = [s.server_id for s in self.servers if s.store.epoch < epoch]
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server(s) {behind} did not reach epoch {epoch} in time")
+            time.sleep(0.01)
+
+    def restart_coordinator(self) -> Coordinator:
+        """Stop the coordinator and start a fresh one (nothing carried over) on the same
+        port, as after a crash: it rebuilds its view from what the servers report when they
+        register again. Returns once every server has registered with it."""
+        port = self.coordinator.port
+        self.coordinator.stop(grace_s=0.2)
+        self.coordinator = Coordinator(replace(self._coordinator_config, port=port)).start()
+        deadline = time.monotonic() + self._ready_timeout_s
+        while len(self.coordinator.state.live_servers()) < len(self.servers):
+            if time.monotonic() > deadline:
+                raise TimeoutError("servers did not register with the restarted coordinator")
+            time.sleep(0.01)
+        return self.coordinator
 
     def restart_server(self, index: int) -> ParameterServer:
         old = self.servers[index]

@@ -7,7 +7,9 @@ carries (client id, incarnation, sequence) and servers apply each at most once, 
 after a lost response never double-applies.
 
 A push that spans several servers is validated whole here first (names, shapes, dtypes,
-finiteness) and then again by each server, which applies its part all-or-nothing.
+finiteness) and then again by each server, which applies its part all-or-nothing; the
+servers do not commit together (see `PSClient.push` for what the caller knows after an
+error).
 """
 
 from __future__ import annotations
@@ -82,9 +84,12 @@ class PSClient:
 
     Args:
         coordinator: the coordinator's HOST:PORT.
-        client_id / incarnation: the exactly-once identity of this client's pushes. A
-            worker runtime passes the ids the coordinator gave it; a replacement of the same
-            client_id must use a higher incarnation (servers fence the older one).
+        client_id / incarnation: the exactly-once identity of this client's pushes. By
+            default the coordinator hands this instance a fresh incarnation (on its first
+            push), so a restarted trainer that reuses a client_id never has its pushes taken
+            for its predecessor's; the predecessor's incarnation is fenced from then on. The
+            worker runtime passes the incarnation the coordinator gave its worker; any
+            incarnation passed in must come from the coordinator in the same way.
         chunk_bytes: size of the chunks tensors are streamed in.
         timeout_s: deadline of each RPC, plus `timeout_per_gib_s` per GiB it carries.
         retry: backoff policy for UNAVAILABLE (and DEADLINE_EXCEEDED on pulls).
@@ -98,7 +103,7 @@ class PSClient:
         coordinator: str,
         *,
         client_id: str | None = None,
-        incarnation: int = 1,
+        incarnation: int | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = 60.0,
         timeout_per_gib_s: float = 60.0,
@@ -111,7 +116,9 @@ class PSClient:
             raise ValueError("max_in_flight_pushes must be >= 1")
         self.coordinator = coordinator
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.incarnation = incarnation
+        self._incarnation = incarnation
+        self._registered_incarnation = False  # this instance asked the coordinator for it
+        self._identity_lock = threading.Lock()
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
         self._timeout_per_gib_s = timeout_per_gib_s
@@ -141,6 +148,39 @@ class PSClient:
         self._failed: list[futures.Future] = []  # finished push_async calls not yet flushed
         self._closed = False
 
+    # ---- identity ----------------------------------------------------------------------
+
+    @property
+    def incarnation(self) -> int:
+        """This instance's incarnation (asked of the coordinator the first time it is needed)."""
+        # One registration per instance: a second one would retire the first incarnation.
+        with self._identity_lock:
+            if self._incarnation is None:
+                reply = call_with_retry(
+                    lambda: self._coordinator.RegisterClient(
+                        coordinator_pb2.RegisterClientRequest(client_id=self.client_id),
+                        timeout=self._timeout_s),
+                    target=self.coordinator, policy=self._retry)
+                with self._lock:
+                    self._incarnation = reply.incarnation
+                    self._registered_incarnation = True
+            return self._incarnation
+
+    def _release_incarnation(self) -> None:
+        """Tell the coordinator this instance is done, so servers may retire its dedup
+        state. Best effort: a coordinator that cannot be reached only means servers keep
+        that state (bounded), never that a push is lost or applied twice."""
+        with self._lock:
+            incarnation = self._incarnation if self._registered_incarnation else None
+        if incarnation is None:
+            return
+        try:
+            self._coordinator.ReleaseClient(coordinator_pb2.ReleaseClientRequest(
+                client_id=self.client_id, incarnation=incarnation), timeout=5.0)
+        except grpc.RpcError as error:
+            log.info("could not release client %s at the coordinator: %s", self.client_id,
+                     error.code().name)
+
     # ---- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
@@ -152,6 +192,7 @@ class PSClient:
         self._async_pool.shutdown(wait=True)
         self._prefetch_pool.shutdown(wait=True)
         self._rpc_pool.shutdown(wait=True)
+        self._release_incarnation()
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
@@ -341,8 +382,18 @@ class PSClient:
     def push(self, grads: Mapping[str, np.ndarray], *, wire_dtype: str | None = None) -> None:
         """Send gradients; returns once every server has applied its part (exactly once).
 
+        Each server applies its part all-or-nothing, but a push that spans several servers
+        is not atomic across them: when this raises, the parts that other servers answered
+        before the error may have been applied, and the part of the server named in the
+        error (`RemoteError.target`) may or may not have been (e.g. retries exhausted after
+        a lost response). Calling push again sends a new push, applied again wherever the
+        first one landed. Errors raised before anything is sent (unknown variable, wrong
+        shape or dtype, non-finite values) mean nothing was applied anywhere.
+
         Raises RemoteError: NOT_FOUND (unknown variable), INVALID_ARGUMENT (dtype, shape,
-        non-finite values), or the server's status after retries are exhausted.
+        non-finite values), ALREADY_EXISTS (another client pushes under this client's id and
+        incarnation; not applied), FAILED_PRECONDITION (this incarnation was replaced), or
+        the server's status after retries are exhausted.
         """
         shard_map = self._map_with(list(grads))
         pieces = self._split(shard_map, grads, wire_dtype)
@@ -353,12 +404,14 @@ class PSClient:
         sequences: dict[tuple, tuple[str, int]] = {}
         sequences_lock = threading.Lock()
 
-        def sequence_for(server_id: str, group: list[_Piece]) -> int:
+        def sequence_for(server_id: str, group: list[_Piece]) -> tuple[int, bool]:
+            """The group's sequence, and whether this is its first send."""
             key = (server_id, tuple(p.shard.key for p in group))
             with sequences_lock:
-                if key not in sequences:
+                first = key not in sequences
+                if first:
                     sequences[key] = (server_id, self._issue_sequence(server_id))
-                return sequences[key][1]
+                return sequences[key][1], first
 
         try:
             for _ in range(MAX_MAP_REFRESHES):
@@ -370,7 +423,7 @@ class PSClient:
 
                 def push_one(server_id: str, group: list[_Piece], shard_map=shard_map):
                     try:
-                        self._push_to(shard_map, server_id, group, sequence_for(server_id, group))
+                        self._push_to(shard_map, server_id, group, *sequence_for(server_id, group))
                     except RemoteError as error:
                         if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
                             raise
@@ -473,14 +526,21 @@ class PSClient:
                            f"variable {piece.shard.variable!r} was re-sharded during a push")
 
     def _push_to(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
-                 sequence: int) -> None:
+                 sequence: int, first_send: bool) -> None:
+        """Push `pieces` to one server under `sequence`. `first_send`: this sequence has
+        never gone out before (not even in an attempt whose answer was lost), so a
+        'duplicate' answer means another client shares this identity: an error."""
         stub = self._stub(shard_map.servers[server_id])
         sizes = [p.grad.nbytes for p in pieces]
         readers = [array_reader(p.grad, p.wire_dtype) for p in pieces]
+        incarnation = self.incarnation
+        attempts = 0
 
         def attempt():
+            nonlocal attempts
+            attempts += 1
             header = ps_pb.PushHeader(
-                client_id=self.client_id, incarnation=self.incarnation, sequence=sequence,
+                client_id=self.client_id, incarnation=incarnation, sequence=sequence,
                 acked_through=self._acked(server_id), epoch=shard_map.epoch,
                 shards=[ps_pb.ShardRef(variable=p.shard.variable, index=p.shard.index)
                         for p in pieces],
@@ -495,7 +555,16 @@ class PSClient:
             return stub.Push(chunks(), timeout=self._deadline(sum(sizes)))
 
         # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
-        call_with_retry(attempt, target=server_id, policy=self._retry)
+        reply = call_with_retry(attempt, target=server_id, policy=self._retry)
+        if reply.duplicate and first_send and attempts == 1:
+            # Nothing of ours can have been applied before our first send: someone else
+            # pushes under this identity, and this push was NOT applied.
+            raise _local_error(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"server {server_id} says push {sequence} of client {self.client_id!r} "
+                f"incarnation {incarnation} was applied already, before this client sent it: "
+                "another client uses the same client_id and incarnation; this push was not "
+                "applied (let the coordinator hand out incarnations)")
 
     def _issue_sequence(self, server_id: str) -> int:
         """The next sequence for `server_id`, waiting (bounded) while it would be more than

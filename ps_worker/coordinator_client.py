@@ -172,8 +172,12 @@ class CoordinatorClient:
             "servers": [
                 {"id": v.server_id, "address": v.address, "state": v.state,
                  "heartbeat_age_s": round(v.heartbeat_age_s, 3), "bytes": v.bytes,
-                 "shards": v.shards, "synced_epoch": v.synced_epoch}
+                 "shards": v.shards, "synced_epoch": v.synced_epoch,
+                 "state_losses": v.state_losses, "lost_shards": list(v.lost_shards),
+                 "loss_action": v.loss_action}
                 for v in s.servers
             ],
             "shard_map_epoch": s.shard_map_epoch,
+            "generation": s.generation,
+            "awaiting_servers": list(s.awaiting_servers),
         }

@@ -51,6 +51,12 @@ def render(status: dict) -> str:
         lines.append(f"  {s['id']:<12} {s['address']:<22} {s['state']:<6} "
                      f"{s['shards']} shard(s) {_bytes(s['bytes'])}  "
                      f"heartbeat {s['heartbeat_age_s']:.1f} s ago")
+        if s.get("state_losses"):
+            lines.append(f"    came back without its shards {s['state_losses']} time(s); last lost "
+                         f"{', '.join(s['lost_shards'])}: {s['loss_action']}")
+    if status.get("awaiting_servers"):
+        lines.append(f"awaiting servers (held shards before the coordinator restarted): "
+                     f"{', '.join(status['awaiting_servers'])}")
     return "\n".join(lines)
 
 

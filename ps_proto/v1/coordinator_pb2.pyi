@@ -64,44 +64,105 @@ Global___TaskKind: _TypeAlias = TaskKind  # noqa: Y015
 
 @_typing.final
 class RegisterServerRequest(_message.Message):
+    """Servers are the source of truth for the shards they hold: they report them (and the last
+    shard map a coordinator gave them) every time they register, so that a restarted
+    coordinator rebuilds its view from what is actually held.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SERVER_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    LAST_MAP_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     server_id: _builtins.str
     address: _builtins.str
     memory_budget_bytes: _builtins.int
     """0 = no limit."""
+    epoch: _builtins.int
+    """The shard-map epoch the server holds (0: it has never been assigned anything)."""
+    generation: _builtins.int
+    """The generation of the coordinator the server last registered with (0 if none)."""
+    @_builtins.property
+    def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldShard]: ...
+    @_builtins.property
+    def last_map(self) -> _tensor_pb2.ShardMap:
+        """The whole shard map of the server's last accepted assignment (epoch 0 if none)."""
+
     def __init__(
         self,
         *,
         server_id: _builtins.str = ...,
         address: _builtins.str = ...,
         memory_budget_bytes: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        held: _abc.Iterable[Global___HeldShard] | None = ...,
+        last_map: _tensor_pb2.ShardMap | None = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_map", b"last_map"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "memory_budget_bytes", b"memory_budget_bytes", "server_id", b"server_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "epoch", b"epoch", "generation", b"generation", "held", b"held", "last_map", b"last_map", "memory_budget_bytes", b"memory_budget_bytes", "server_id", b"server_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterServerRequest: _TypeAlias = RegisterServerRequest  # noqa: Y015
 
 @_typing.final
+class HeldShard(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
+    UPDATES_FIELD_NUMBER: _builtins.int
+    updates: _builtins.int
+    """Pushes applied to this shard since it was created: > 0 means it holds trained values."""
+    @_builtins.property
+    def spec(self) -> _tensor_pb2.VariableSpec: ...
+    @_builtins.property
+    def shard(self) -> _tensor_pb2.Shard: ...
+    def __init__(
+        self,
+        *,
+        spec: _tensor_pb2.VariableSpec | None = ...,
+        shard: _tensor_pb2.Shard | None = ...,
+        updates: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard", "spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard", "spec", b"spec", "updates", b"updates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldShard: _TypeAlias = HeldShard  # noqa: Y015
+
+@_typing.final
 class RegisterServerReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    CONTROL_TOKEN_FIELD_NUMBER: _builtins.int
     heartbeat_interval_ms: _builtins.int
+    generation: _builtins.int
+    """Fencing: the server accepts control-plane calls (AssignShards) only when they carry
+    this generation and token. Every coordinator start has a new, higher generation and a
+    new random token, which only servers receive.
+    """
+    control_token: _builtins.bytes
     def __init__(
         self,
         *,
         heartbeat_interval_ms: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        control_token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "generation", b"generation", "heartbeat_interval_ms", b"heartbeat_interval_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -113,22 +174,56 @@ class ServerHeartbeatRequest(_message.Message):
 
     SERVER_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    RETIRED_THROUGH_FIELD_NUMBER: _builtins.int
     server_id: _builtins.str
     epoch: _builtins.int
     """The shard-map epoch the server holds; a server behind the coordinator is resynced."""
+    generation: _builtins.int
+    """The generation the server registered with: another one means "register again"."""
+    retired_through: _builtins.int
+    """Cursor into the coordinator's log of retired clients: every entry up to this one has
+    been applied by the server.
+    """
     def __init__(
         self,
         *,
         server_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        retired_through: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "server_id", b"server_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "generation", b"generation", "retired_through", b"retired_through", "server_id", b"server_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServerHeartbeatRequest: _TypeAlias = ServerHeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class RetiredClient(_message.Message):
+    """A client incarnation that will never push again (closed, declared dead, or replaced)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    incarnation: _builtins.int
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "incarnation", b"incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetiredClient: _TypeAlias = RetiredClient  # noqa: Y015
 
 @_typing.final
 class ServerHeartbeatReply(_message.Message):
@@ -137,27 +232,111 @@ class ServerHeartbeatReply(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     KNOWN_FIELD_NUMBER: _builtins.int
     SHUTDOWN_FIELD_NUMBER: _builtins.int
+    RETIRED_FIELD_NUMBER: _builtins.int
+    RETIRED_THROUGH_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     known: _builtins.bool
-    """False when the coordinator does not know this server (e.g. it restarted without
-    state): the server registers again.
+    """False when the coordinator does not know this server (e.g. it restarted): the server
+    registers again.
     """
     shutdown: _builtins.bool
     """The job is over: stop serving and exit (unless the coordinator keeps servers up)."""
+    retired_through: _builtins.int
+    @_builtins.property
+    def retired(self) -> _containers.RepeatedCompositeFieldContainer[Global___RetiredClient]:
+        """Retired clients after the request's cursor (a bounded batch), and the new cursor."""
+
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         known: _builtins.bool = ...,
         shutdown: _builtins.bool = ...,
+        retired: _abc.Iterable[Global___RetiredClient] | None = ...,
+        retired_through: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "known", b"known", "shutdown", b"shutdown"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "known", b"known", "retired", b"retired", "retired_through", b"retired_through", "shutdown", b"shutdown"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServerHeartbeatReply: _TypeAlias = ServerHeartbeatReply  # noqa: Y015
+
+@_typing.final
+class RegisterClientRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterClientRequest: _TypeAlias = RegisterClientRequest  # noqa: Y015
+
+@_typing.final
+class RegisterClientReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    def __init__(
+        self,
+        *,
+        incarnation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterClientReply: _TypeAlias = RegisterClientReply  # noqa: Y015
+
+@_typing.final
+class ReleaseClientRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    incarnation: _builtins.int
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "incarnation", b"incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseClientRequest: _TypeAlias = ReleaseClientRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseClientReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseClientReply: _TypeAlias = ReleaseClientReply  # noqa: Y015
 
 @_typing.final
 class DeclareRequest(_message.Message):
@@ -608,6 +787,9 @@ class ServerStatus(_message.Message):
     BYTES_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
     SYNCED_EPOCH_FIELD_NUMBER: _builtins.int
+    STATE_LOSSES_FIELD_NUMBER: _builtins.int
+    LOST_SHARDS_FIELD_NUMBER: _builtins.int
+    LOSS_ACTION_FIELD_NUMBER: _builtins.int
     server_id: _builtins.str
     address: _builtins.str
     state: _builtins.str
@@ -616,6 +798,14 @@ class ServerStatus(_message.Message):
     bytes: _builtins.int
     shards: _builtins.int
     synced_epoch: _builtins.int
+    state_losses: _builtins.int
+    """Times this server came back without shards it had held (lost state), and what was lost
+    the last time ("variable[rows]" each).
+    """
+    loss_action: _builtins.str
+    """What the coordinator did about it: "failed the job", "re-initialized", or ""."""
+    @_builtins.property
+    def lost_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -626,10 +816,13 @@ class ServerStatus(_message.Message):
         bytes: _builtins.int = ...,
         shards: _builtins.int = ...,
         synced_epoch: _builtins.int = ...,
+        state_losses: _builtins.int = ...,
+        lost_shards: _abc.Iterable[_builtins.str] | None = ...,
+        loss_action: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes", b"bytes", "heartbeat_age_s", b"heartbeat_age_s", "server_id", b"server_id", "shards", b"shards", "state", b"state", "synced_epoch", b"synced_epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes", b"bytes", "heartbeat_age_s", b"heartbeat_age_s", "loss_action", b"loss_action", "lost_shards", b"lost_shards", "server_id", b"server_id", "shards", b"shards", "state", b"state", "state_losses", b"state_losses", "synced_epoch", b"synced_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -643,13 +836,23 @@ class ClusterStatus(_message.Message):
     WORKERS_FIELD_NUMBER: _builtins.int
     SERVERS_FIELD_NUMBER: _builtins.int
     SHARD_MAP_EPOCH_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    AWAITING_SERVERS_FIELD_NUMBER: _builtins.int
     shard_map_epoch: _builtins.int
+    generation: _builtins.int
+    """The coordinator's generation (higher after every coordinator restart)."""
     @_builtins.property
     def job(self) -> Global___JobStatus: ...
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]: ...
     @_builtins.property
     def servers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServerStatus]: ...
+    @_builtins.property
+    def awaiting_servers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Servers the coordinator is still waiting for after it restarted (they held shards of
+        the shard map it recovered); declarations of new variables wait for them.
+        """
+
     def __init__(
         self,
         *,
@@ -657,10 +860,12 @@ class ClusterStatus(_message.Message):
         workers: _abc.Iterable[Global___WorkerStatus] | None = ...,
         servers: _abc.Iterable[Global___ServerStatus] | None = ...,
         shard_map_epoch: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        awaiting_servers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "servers", b"servers", "shard_map_epoch", b"shard_map_epoch", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_servers", b"awaiting_servers", "generation", b"generation", "job", b"job", "servers", b"servers", "shard_map_epoch", b"shard_map_epoch", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

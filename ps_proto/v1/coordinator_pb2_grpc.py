@@ -57,6 +57,16 @@ class CoordinatorStub:
                 request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_tensor__pb2.ShardMap.FromString,
                 _registered_method=True)
+        self.RegisterClient = channel.unary_unary(
+                '/ps.v1.Coordinator/RegisterClient',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterClientRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterClientReply.FromString,
+                _registered_method=True)
+        self.ReleaseClient = channel.unary_unary(
+                '/ps.v1.Coordinator/ReleaseClient',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.ReleaseClientRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.ReleaseClientReply.FromString,
+                _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/ps.v1.Coordinator/RegisterWorker',
                 request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterWorkerRequest.SerializeToString,
@@ -116,6 +126,21 @@ class CoordinatorServicer:
 
     def GetShardMap(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterClient(self, request, context):
+        """Exactly-once identity of a PSClient instance: a fresh incarnation for its client_id,
+        never one handed out before (by this coordinator or a predecessor).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseClient(self, request, context):
+        """The client instance has finished (closed): servers may retire its dedup state.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -182,6 +207,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetShardMap,
                     request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_tensor__pb2.ShardMap.SerializeToString,
+            ),
+            'RegisterClient': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterClient,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterClientRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.RegisterClientReply.SerializeToString,
+            ),
+            'ReleaseClient': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseClient,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.ReleaseClientRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.ReleaseClientReply.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
@@ -324,6 +359,60 @@ class Coordinator:
             '/ps.v1.Coordinator/GetShardMap',
             ps__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
             ps__proto_dot_v1_dot_tensor__pb2.ShardMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterClient(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/RegisterClient',
+            ps__proto_dot_v1_dot_coordinator__pb2.RegisterClientRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.RegisterClientReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseClient(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/ReleaseClient',
+            ps__proto_dot_v1_dot_coordinator__pb2.ReleaseClientRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.ReleaseClientReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,12 @@ class CoordinatorStub:
     them exists on its server.
     """
     GetShardMap: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetShardMapRequest, _tensor_pb2.ShardMap]
+    RegisterClient: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RegisterClientRequest, _coordinator_pb2.RegisterClientReply]
+    """Exactly-once identity of a PSClient instance: a fresh incarnation for its client_id,
+    never one handed out before (by this coordinator or a predecessor).
+    """
+    ReleaseClient: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReleaseClientRequest, _coordinator_pb2.ReleaseClientReply]
+    """The client instance has finished (closed): servers may retire its dedup state."""
     RegisterWorker: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RegisterWorkerRequest, _coordinator_pb2.RegisterWorkerReply]
     """Training runtime: workers register, heartbeat, lease tasks and report them done."""
     WorkerHeartbeat: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.WorkerHeartbeatRequest, _coordinator_pb2.WorkerHeartbeatReply]
@@ -69,6 +75,12 @@ class CoordinatorAsyncStub(CoordinatorStub):
     them exists on its server.
     """
     GetShardMap: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetShardMapRequest, _tensor_pb2.ShardMap]  # type: ignore[assignment]
+    RegisterClient: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RegisterClientRequest, _coordinator_pb2.RegisterClientReply]  # type: ignore[assignment]
+    """Exactly-once identity of a PSClient instance: a fresh incarnation for its client_id,
+    never one handed out before (by this coordinator or a predecessor).
+    """
+    ReleaseClient: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReleaseClientRequest, _coordinator_pb2.ReleaseClientReply]  # type: ignore[assignment]
+    """The client instance has finished (closed): servers may retire its dedup state."""
     RegisterWorker: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RegisterWorkerRequest, _coordinator_pb2.RegisterWorkerReply]  # type: ignore[assignment]
     """Training runtime: workers register, heartbeat, lease tasks and report them done."""
     WorkerHeartbeat: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.WorkerHeartbeatRequest, _coordinator_pb2.WorkerHeartbeatReply]  # type: ignore[assignment]
@@ -116,6 +128,24 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.GetShardMapRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_tensor_pb2.ShardMap, _abc.Awaitable[_tensor_pb2.ShardMap]]: ...
+
+    @_abc_1.abstractmethod
+    def RegisterClient(
+        self,
+        request: _coordinator_pb2.RegisterClientRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RegisterClientReply, _abc.Awaitable[_coordinator_pb2.RegisterClientReply]]:
+        """Exactly-once identity of a PSClient instance: a fresh incarnation for its client_id,
+        never one handed out before (by this coordinator or a predecessor).
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseClient(
+        self,
+        request: _coordinator_pb2.ReleaseClientRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReleaseClientReply, _abc.Awaitable[_coordinator_pb2.ReleaseClientReply]]:
+        """The client instance has finished (closed): servers may retire its dedup state."""
 
     @_abc_1.abstractmethod
     def RegisterWorker(

@@ -213,43 +213,71 @@ Global___PushReply: _TypeAlias = PushReply  # noqa: Y015
 class AssignShardsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    EPOCH_FIELD_NUMBER: _builtins.int
-    VARIABLES_FIELD_NUMBER: _builtins.int
-    SHARDS_FIELD_NUMBER: _builtins.int
-    epoch: _builtins.int
+    MAP_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    CONTROL_TOKEN_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    control_token: _builtins.bytes
     @_builtins.property
-    def variables(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.VariableSpec]: ...
-    @_builtins.property
-    def shards(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Shard]: ...
+    def map(self) -> _tensor_pb2.ShardMap: ...
     def __init__(
         self,
         *,
-        epoch: _builtins.int = ...,
-        variables: _abc.Iterable[_tensor_pb2.VariableSpec] | None = ...,
-        shards: _abc.Iterable[_tensor_pb2.Shard] | None = ...,
+        map: _tensor_pb2.ShardMap | None = ...,
+        generation: _builtins.int = ...,
+        control_token: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["map", b"map"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "shards", b"shards", "variables", b"variables"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "generation", b"generation", "map", b"map"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AssignShardsRequest: _TypeAlias = AssignShardsRequest  # noqa: Y015
 
 @_typing.final
+class ShardFailure(_message.Message):
+    """A shard the server could not create (e.g. its memory ran out); the others were created."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    @_builtins.property
+    def shard(self) -> _tensor_pb2.Shard: ...
+    def __init__(
+        self,
+        *,
+        shard: _tensor_pb2.Shard | None = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "shard", b"shard"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardFailure: _TypeAlias = ShardFailure  # noqa: Y015
+
+@_typing.final
 class AssignShardsReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SHARDS_CREATED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
     shards_created: _builtins.int
+    @_builtins.property
+    def failed(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardFailure]: ...
     def __init__(
         self,
         *,
         shards_created: _builtins.int = ...,
+        failed: _abc.Iterable[Global___ShardFailure] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["shards_created", b"shards_created"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "shards_created", b"shards_created"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

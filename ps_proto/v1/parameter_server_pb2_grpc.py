@@ -73,8 +73,10 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AssignShards(self, request, context):
-        """Control plane, called by the coordinator: the full set of shards this server must hold
-        at `epoch`. Idempotent; shards it already holds with the same spec are kept as they are.
+        """Control plane, called only by the coordinator this server registered with (fenced by
+        generation and token): the whole shard map; the server holds the shards placed on it.
+        Idempotent; shards it already holds with the same spec are kept as they are, and a
+        shard holding trained values is never dropped or re-created (FAILED_PRECONDITION).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,8 +39,10 @@ class ParameterServerStub:
     Pull: _grpc.UnaryStreamMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullChunk]
     Push: _grpc.StreamUnaryMultiCallable[_parameter_server_pb2.PushChunk, _parameter_server_pb2.PushReply]
     AssignShards: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.AssignShardsRequest, _parameter_server_pb2.AssignShardsReply]
-    """Control plane, called by the coordinator: the full set of shards this server must hold
-    at `epoch`. Idempotent; shards it already holds with the same spec are kept as they are.
+    """Control plane, called only by the coordinator this server registered with (fenced by
+    generation and token): the whole shard map; the server holds the shards placed on it.
+    Idempotent; shards it already holds with the same spec are kept as they are, and a
+    shard holding trained values is never dropped or re-created (FAILED_PRECONDITION).
     """
 
 @_typing.type_check_only
@@ -54,8 +56,10 @@ class ParameterServerAsyncStub(ParameterServerStub):
     Pull: _aio.UnaryStreamMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullChunk]  # type: ignore[assignment]
     Push: _aio.StreamUnaryMultiCallable[_parameter_server_pb2.PushChunk, _parameter_server_pb2.PushReply]  # type: ignore[assignment]
     AssignShards: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.AssignShardsRequest, _parameter_server_pb2.AssignShardsReply]  # type: ignore[assignment]
-    """Control plane, called by the coordinator: the full set of shards this server must hold
-    at `epoch`. Idempotent; shards it already holds with the same spec are kept as they are.
+    """Control plane, called only by the coordinator this server registered with (fenced by
+    generation and token): the whole shard map; the server holds the shards placed on it.
+    Idempotent; shards it already holds with the same spec are kept as they are, and a
+    shard holding trained values is never dropped or re-created (FAILED_PRECONDITION).
     """
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
@@ -84,8 +88,10 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request: _parameter_server_pb2.AssignShardsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.AssignShardsReply, _abc.Awaitable[_parameter_server_pb2.AssignShardsReply]]:
-        """Control plane, called by the coordinator: the full set of shards this server must hold
-        at `epoch`. Idempotent; shards it already holds with the same spec are kept as they are.
+        """Control plane, called only by the coordinator this server registered with (fenced by
+        generation and token): the whole shard map; the server holds the shards placed on it.
+        Idempotent; shards it already holds with the same spec are kept as they are, and a
+        shard holding trained values is never dropped or re-created (FAILED_PRECONDITION).
         """
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
@@ -10,6 +11,9 @@ from ps_common.clock import Clock, SystemClock
 from ps_common.job import JobSpec
 from ps_proto.v1 import coordinator_pb2_grpc
 from ps_server.coordinator.assigner import Assigner
+from ps_server.coordinator.identity import (
+    ClientRegistry, Incarnations, RetiredLog, new_generation,
+)
 from ps_server.coordinator.jobs import JobRunner
 from ps_server.coordinator.servicer import CoordinatorServicer
 from ps_server.coordinator.state import CoordinatorState
@@ -31,6 +35,11 @@ class CoordinatorConfig:
     job: JobSpec | None = None
     # Keep servers (and this coordinator) up after the job ends, for PSClient users.
     keep_serving: bool = False
+    # How long a server holding shards may stay away before its values count as lost.
+    server_timeout_s: float = 60.0
+    # Re-create shards a server came back without from their initializers instead of
+    # failing the job (their trained values are gone either way).
+    reinitialize_lost_shards: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -41,6 +50,8 @@ class CoordinatorConfig:
             raise ValueError(
                 f"--heartbeat-timeout {self.heartbeat_timeout_s} must exceed "
                 f"--heartbeat-interval {self.heartbeat_interval_s}")
+        if self.server_timeout_s <= 0:
+            raise ValueError(f"--server-timeout {self.server_timeout_s} must be > 0")
         if self.split_threshold_bytes < 1:
             raise ValueError(f"--split-threshold {self.split_threshold_bytes} must be >= 1")
 
@@ -54,16 +65,26 @@ class Coordinator:
         # Called with the job's summary (JobRunner.summary) just before the coordinator
         # shuts down at the end of a job.
         self.on_job_over = on_job_over
-        self.state = CoordinatorState(
-            clock or SystemClock(), heartbeat_timeout_s=config.heartbeat_timeout_s,
-            split_threshold_bytes=config.split_threshold_bytes)
         self._clock = clock or SystemClock()
-        self._assigner = Assigner(self.state)
+        # Fencing: a new generation (above every predecessor's) and a random token that only
+        # servers receive; servers obey assignments carrying both.
+        self.generation = new_generation()
+        token = os.urandom(16)
+        self.state = CoordinatorState(
+            self._clock, heartbeat_timeout_s=config.heartbeat_timeout_s,
+            split_threshold_bytes=config.split_threshold_bytes, generation=self.generation,
+            server_timeout_s=config.server_timeout_s,
+            reinitialize_lost=config.reinitialize_lost_shards)
+        self._assigner = Assigner(self.state, token)
+        incarnations = Incarnations(self.generation)
+        retired = RetiredLog()
         self.runner = JobRunner(config.job, self._clock,
-                                heartbeat_timeout_s=config.heartbeat_timeout_s)
+                                heartbeat_timeout_s=config.heartbeat_timeout_s,
+                                incarnations=incarnations, on_worker_gone=retired.append)
         servicer = CoordinatorServicer(
-            self.state, self._assigner, self.runner,
-            heartbeat_interval_s=config.heartbeat_interval_s, keep_serving=config.keep_serving)
+            self.state, self._assigner, self.runner, ClientRegistry(incarnations, retired),
+            retired, token=token, heartbeat_interval_s=config.heartbeat_interval_s,
+            keep_serving=config.keep_serving)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
@@ -76,11 +97,33 @@ class Coordinator:
 
     def start(self) -> "Coordinator":
         self._daemon.start()
+        self._watcher = threading.Thread(target=self._watch_servers,
+                                         name="ps-coordinator-server-watch", daemon=True)
+        self._watcher.start()
         if self.config.job is not None and not self.config.keep_serving:
             self._finisher = threading.Thread(
                 target=self._finish_when_job_over, name="ps-coordinator-finisher", daemon=True)
             self._finisher.start()
         return self
+
+    def _watch_servers(self) -> None:
+        """Log a server's loss the moment its lease runs out (not when someone asks), and
+        fail the job when one holding shards stays away past --server-timeout."""
+        interval = min(1.0, self.config.heartbeat_interval_s)
+        while not self._stopping.wait(interval):
+            for event in self.state.watch():
+                shards = ", ".join(event.shards) or "no shards"
+                if event.kind == "down":
+                    log.warning("lost contact with parameter server %s (%s, holding %s): no "
+                                "heartbeat for %g s; waiting up to %g s (--server-timeout) for "
+                                "it to come back", event.server_id, event.address, shards,
+                                self.config.heartbeat_timeout_s, self.config.server_timeout_s)
+                elif event.kind == "back":
+                    log.info("parameter server %s (%s) is back", event.server_id, event.address)
+                else:
+                    log.error("%s", self.state.data_loss)
+                    if self.runner.fail(self.state.data_loss):
+                        log.error("the job failed: %s", self.state.data_loss)
 
     def _finish_when_job_over(self) -> None:
         """After the job ends, wait until every live member has been told (or a heartbeat

@@ -1,17 +1,24 @@
-"""Delivers shard assignments to servers (the coordinator's only outbound data-plane call)."""
+"""Delivers the shard map to servers (the coordinator's only outbound call to servers).
+
+Every live server gets the whole current map: it holds the shards placed on it, and a
+restarted coordinator recovers the map from any server's report. Assignments carry the
+coordinator's generation and control token, so servers obey this coordinator only.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
 from ps_common.errors import NotReady
 from ps_common.rpc import make_channel
-from ps_common.shardmap import ShardMap
-from ps_common.wire import shard_to_proto, spec_to_proto
+from ps_common.shardmap import Shard
+from ps_common.status import RemoteError
+from ps_common.wire import shard_from_proto, shardmap_to_proto
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
 from ps_server.coordinator.state import CoordinatorState
@@ -19,13 +26,23 @@ from ps_server.coordinator.state import CoordinatorState
 log = logging.getLogger(__name__)
 
 
-class Assigner:
-    """Thread-safe. Keeps one channel per server address."""
+@dataclass(frozen=True)
+class CreationFailure:
+    server_id: str
+    shard: Shard
+    message: str
 
-    def __init__(self, state: CoordinatorState, *, timeout_s: float = 60.0):
+
+class Assigner:
+    """Thread-safe. Keeps one channel per server address; deliveries to one server are
+    serialized (each sends the map current at that moment, so they never go backwards)."""
+
+    def __init__(self, state: CoordinatorState, token: bytes, *, timeout_s: float = 60.0):
         self._state = state
+        self._token = token
         self._timeout = timeout_s
         self._channels: dict[str, grpc.Channel] = {}
+        self._server_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ps-assign")
         self._background_sync_running = False
@@ -37,31 +54,50 @@ class Assigner:
                 channel = self._channels[address] = make_channel(address)
         return ps_grpc.ParameterServerStub(channel)
 
-    def _send(self, server_id: str, address: str, shard_map: ShardMap) -> None:
-        shards = shard_map.shards_on(server_id)
-        names = {s.variable for s in shards}
-        request = ps_pb.AssignShardsRequest(
-            epoch=shard_map.epoch,
-            variables=[spec_to_proto(shard_map.variables[n]) for n in sorted(names)],
-            shards=[shard_to_proto(s) for s in shards],
-        )
-        self._stub(address).AssignShards(request, timeout=self._timeout)
-        self._state.mark_synced(server_id, shard_map.epoch)
+    def _server_lock(self, server_id: str) -> threading.Lock:
+        with self._lock:
+            return self._server_locks.setdefault(server_id, threading.Lock())
 
-    def sync(self, shard_map: ShardMap) -> None:
-        """Deliver `shard_map` to every shard holder that lacks it; raise NotReady naming the
-        servers that could not be reached (the caller may retry: this is idempotent)."""
-        pending = {m.server_id: self._pool.submit(self._send, m.server_id, m.address, shard_map)
-                   for m in self._state.unsynced(shard_map)}
-        failed = []
+    def _send(self, server_id: str, address: str, min_epoch: int) -> list[CreationFailure]:
+        """Deliver the current map to `server_id` unless it has acknowledged `min_epoch`.
+        Raises RemoteError when the server refuses it or cannot be reached."""
+        with self._server_lock(server_id):
+            member = next((m for m in self._state.servers() if m.server_id == server_id), None)
+            if member is not None and member.synced_epoch >= min_epoch:
+                return []
+            shard_map = self._state.shard_map
+            request = ps_pb.AssignShardsRequest(
+                map=shardmap_to_proto(shard_map), generation=self._state.generation,
+                control_token=self._token)
+            try:
+                reply = self._stub(address).AssignShards(request, timeout=self._timeout)
+            except grpc.RpcError as error:
+                raise RemoteError.from_rpc_error(error, target=server_id) from None
+            self._state.mark_synced(server_id, shard_map.epoch)
+            return [CreationFailure(server_id, shard_from_proto(f.shard), f.message)
+                    for f in reply.failed]
+
+    def sync(self, server_ids: set[str] | None = None,
+             min_epoch: int | None = None) -> list[CreationFailure]:
+        """Bring live servers (all, or `server_ids`) to at least `min_epoch` (default: the
+        current epoch). Returns the shards servers could not create; raises NotReady naming
+        the servers that could not be reached or refused the map (the caller may retry:
+        this is idempotent)."""
+        epoch = self._state.shard_map.epoch if min_epoch is None else min_epoch
+        targets = [m for m in self._state.unsynced(self._state.shard_map)
+                   if server_ids is None or m.server_id in server_ids]
+        pending = {m.server_id: self._pool.submit(self._send, m.server_id, m.address, epoch)
+                   for m in targets if m.synced_epoch < epoch}
+        failures, refused = [], []
         for server_id, future in pending.items():
             try:
-                future.result()
-            except grpc.RpcError as error:
-                failed.append(f"{server_id} ({error.code().name})")
-        if failed:
-            raise NotReady(f"could not deliver shard map epoch {shard_map.epoch} to server(s) "
-                           f"{', '.join(failed)}; retry")
+                failures.extend(future.result())
+            except RemoteError as error:
+                refused.append(f"{server_id} ({error.code().name}: {error.details()})")
+        if refused:
+            raise NotReady(f"could not deliver shard map epoch {epoch} to server(s) "
+                           f"{'; '.join(refused)}; retry")
+        return failures
 
     def sync_in_background(self) -> None:
         """Resync whoever is behind, without blocking the caller (e.g. a heartbeat)."""
@@ -72,7 +108,9 @@ class Assigner:
 
         def run():
             try:
-                self.sync(self._state.shard_map)
+                for failure in self.sync():
+                    log.error("server %s could not create a shard: %s", failure.server_id,
+                              failure.message)
             except NotReady as error:
                 log.warning("%s", error.message)
             finally:

@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="SECONDS")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="SECONDS")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--server-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long a parameter server holding shards may stay unreachable "
+                   "before the job fails naming it (default 60)")
+    p.add_argument("--reinitialize-lost-shards", action="store_true",
+                   help="when a server comes back without the shards it held, re-create them "
+                   "from their initializers and go on (default: the job fails: DATA_LOSS)")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep servers and the coordinator up after the job ends")
     add_job_arguments(p)
@@ -47,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             job=job, keep_serving=args.keep_serving,
             host=args.host, port=args.port, heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
-            split_threshold_bytes=args.split_threshold, grace_s=args.grace)
+            split_threshold_bytes=args.split_threshold, grace_s=args.grace,
+            server_timeout_s=args.server_timeout,
+            reinitialize_lost_shards=args.reinitialize_lost_shards)
     except ValueError as error:
         fail(parser, str(error))
         raise

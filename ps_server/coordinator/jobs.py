@@ -4,18 +4,32 @@ Failure detection is a lease evaluated on read (`online_until = last heartbeat +
 every public method first reaps workers whose lease ran out, marking them dead with the time
 and reason and putting their leased tasks back in the queue. Tests drive it with a FakeClock.
 No grpc here.
+
+Bounded by construction: no call scans every task or every worker the job ever had. The
+pending tasks are a heap, epochs keep counters and running metric sums, and only the
+current epoch's tasks are held (an epoch's tasks are dropped when its evaluation is done:
+task ids are issued in order, so an id below the current epoch's that was issued is known to
+be done). Leases and forgetting are heaps ordered by time, so reaping touches only members
+whose time has come. What grows with the job is one EpochSummary per epoch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import heapq
+import itertools
+import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ps_common.clock import Clock
 from ps_common.errors import FencedIncarnation, InvalidArgument, NotFound
 from ps_common.job import JobSpec
+
+log = logging.getLogger(__name__)
 
 # A task whose holder died this many times fails the job instead of killing more workers.
 MAX_TASK_ATTEMPTS = 5
@@ -42,8 +56,11 @@ class TaskState(enum.Enum):
 
 
 class WorkerState(enum.Enum):
-    """ALIVE -> DEAD (missed heartbeats) | DONE (told the job is over). A dead worker that
-    registers again comes back ALIVE under a new incarnation."""
+    """ALIVE -> DEAD (missed heartbeats, replaced by a new incarnation, or reported that it
+    cannot run the job) | DONE (told the job is over); DONE -> DEAD (reported a job error).
+    A dead worker that registers again comes back ALIVE under a new incarnation. DEAD and
+    DONE workers are forgotten `forget_after_s` after they stopped being ALIVE; a forgotten
+    worker is unknown, and is told to re-register like any unknown one."""
 
     ALIVE = "alive"
     DEAD = "dead"
@@ -105,21 +122,75 @@ class EpochSummary:
 
 
 class JobRunner:
-    """Thread-safe. `job=None` means no job: workers are told there is nothing to run."""
+    """Thread-safe: every public method holds one lock, and none of them scans all the tasks
+    or all the workers the job ever had (see the module docstring). `job=None` means no job:
+    workers are told there is nothing to run.
+
+    `incarnations()` returns the next incarnation to hand out; it must increase strictly from
+    call to call, since servers fence a worker's pushes by it. It is called with the lock held
+    and must not call back into the runner. When None, incarnations count up from
+    `first_incarnation` or else from the wall clock in ms.
+
+    `on_worker_gone(worker_id, incarnation)` is called exactly once for every incarnation that
+    stops being live: declared dead (missed heartbeats), replaced by a new incarnation,
+    reported a job error, or told that the job is over (DONE). It is called after the lock is
+    released (calls are collected under the lock), on the thread of whichever public method
+    made the change, which may be a call from another worker or a status read (any call
+    reaps); calls made by different threads are not ordered among themselves. It may call
+    back into the runner. An exception it raises is logged and swallowed: the change is
+    already made, and the caller that happened to trigger it must not fail for it.
+
+    Dead and done workers are forgotten `forget_after_s` (default max(60, 6 x
+    heartbeat_timeout_s)) after they stopped being live.
+    """
 
     def __init__(self, job: JobSpec | None, clock: Clock, *, heartbeat_timeout_s: float,
-                 first_incarnation: int | None = None):
+                 first_incarnation: int | None = None,
+                 incarnations: Callable[[], int] | None = None,
+                 on_worker_gone: Callable[[str, int], None] | None = None,
+                 forget_after_s: float | None = None):
+        if incarnations is not None and first_incarnation is not None:
+            raise ValueError("give JobRunner either incarnations or first_incarnation, not both")
+        if forget_after_s is None:
+            forget_after_s = max(60.0, 6 * heartbeat_timeout_s)
+        if not forget_after_s > 0:
+            raise ValueError(f"forget_after_s {forget_after_s} must be > 0")
         self.job = job
         self._clock = clock
         self._timeout = heartbeat_timeout_s
+        self._forget_after = forget_after_s
+        self._on_worker_gone = on_worker_gone
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
+        self._alive = 0
+        # (deadline, sequence, worker) heaps; `sequence` breaks ties so that Workers are never
+        # compared. `_expiries` holds one entry per live worker, its deadline as of when the
+        # entry was pushed; a popped entry whose worker has sent a heartbeat since is pushed
+        # again with the new deadline (lazy deletion: a heartbeat costs no heap operation).
+        # `_forgets` holds one entry per incarnation that stopped being live.
+        self._expiries: list[tuple[float, int, Worker]] = []
+        self._forgets: list[tuple[float, int, Worker]] = []
+        self._sequence = itertools.count()
+        # (worker_id, incarnation) gone since the lock was taken; run once it is released.
+        self._gone: list[tuple[str, int]] = []
+        # Only the current epoch's tasks; `_issued` is the highest task id ever handed out.
         self._tasks: dict[int, Task] = {}
-        # Servers fence a worker's pushes by incarnation, and they outlive a coordinator
-        # restart: incarnations start from the wall clock (ms) so that a restarted
-        # coordinator never hands out one lower than a server has already seen.
-        self._next_incarnation = (first_incarnation if first_incarnation is not None
-                                  else time.time_ns() // 1_000_000)
+        self._issued = 0
+        # Every PENDING task exactly once, as (not an evaluation, task_id): evaluations first
+        # (they measure an epoch that has just ended), then the oldest task.
+        self._pending: list[tuple[bool, int]] = []
+        self._train_done = 0  # train tasks done in the current epoch
+        self._tasks_done = 0
+        self._steps = 0
+        self._summaries: list[EpochSummary] = []
+        if incarnations is None:
+            # Servers fence a worker's pushes by incarnation, and they outlive a coordinator
+            # restart: incarnations start from the wall clock (ms) so that a restarted
+            # coordinator never hands out one lower than a server has already seen.
+            counter = itertools.count(first_incarnation if first_incarnation is not None
+                                      else time.time_ns() // 1_000_000)
+            incarnations = counter.__next__
+        self._incarnations = incarnations
         self._started_at = clock.monotonic()
         self._finished_at: float | None = None
         self.failure = ""
@@ -128,57 +199,127 @@ class JobRunner:
         if job:
             self._start_epoch(1)
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the lock and reap first; on the way out (a raise included) release it, then
+        make the on_worker_gone calls collected meanwhile."""
+        gone: list[tuple[str, int]] = []
+        try:
+            with self._lock:
+                try:
+                    self._reap()
+                    yield
+                finally:
+                    gone, self._gone = self._gone, []
+        finally:
+            for worker_id, incarnation in gone:
+                self._notify_gone(worker_id, incarnation)
+
+    def _notify_gone(self, worker_id: str, incarnation: int) -> None:
+        if self._on_worker_gone is None:
+            return
+        try:
+            self._on_worker_gone(worker_id, incarnation)
+        except Exception:  # the change is made; see the class docstring
+            log.exception("on_worker_gone(%r, %d) failed", worker_id, incarnation)
+
     # ---- epochs and tasks (expect the lock held) --------------------------------------
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch = epoch
+        self._train_done = 0
+        self._summaries.append(EpochSummary(epoch, Metrics(), None))
         for index in range(self.job.tasks_per_epoch):
             self._add_task("train", epoch, index)
 
     def _add_task(self, kind: str, epoch: int, index: int) -> None:
-        task_id = len(self._tasks) + 1
+        self._issued += 1
+        task_id = self._issued
         self._tasks[task_id] = Task(task_id, kind, epoch, index)
+        heapq.heappush(self._pending, (kind != "evaluate", task_id))
 
-    def _epoch_tasks(self, epoch: int, kind: str) -> list[Task]:
-        return [t for t in self._tasks.values() if t.epoch == epoch and t.kind == kind]
+    def _record(self, task: Task, metrics: Metrics) -> None:
+        """A task of the current epoch is done: count it and add its metrics to its epoch."""
+        self._tasks_done += 1
+        summary = self._summaries[-1]
+        if task.kind == "train":
+            self._train_done += 1
+            self._steps += metrics.steps
+            self._summaries[-1] = EpochSummary(summary.epoch, summary.train + metrics,
+                                               summary.test)
+        else:
+            self._summaries[-1] = EpochSummary(summary.epoch, summary.train, metrics)
 
-    def _advance(self) -> None:
+    def _advance(self, task: Task) -> None:
         """After an epoch's last training task: its evaluation task. After that evaluation:
-        the next epoch, or the end of the job. The next epoch waits for the evaluation so
-        that it measures exactly the parameters the epoch ended with (evaluating the small
-        held-out set takes far less than a training task)."""
-        evaluations = self._epoch_tasks(self._epoch, "evaluate")
-        if not evaluations:
-            if all(t.state is TaskState.DONE for t in self._epoch_tasks(self._epoch, "train")):
+        the epoch's tasks are dropped (every one is done), then the next epoch, or the end of
+        the job. The next epoch waits for the evaluation so that it measures exactly the
+        parameters the epoch ended with (evaluating the small held-out set takes far less
+        than a training task). A job that is no longer running does not advance."""
+        if self.state is not JobState.RUNNING:
+            return
+        if task.kind == "train":
+            if self._train_done == self.job.tasks_per_epoch:
                 self._add_task("evaluate", self._epoch, 0)
-        elif evaluations[0].state is TaskState.DONE:
-            if self._epoch < self.job.epochs:
-                self._start_epoch(self._epoch + 1)
-            else:
-                self.state = JobState.DONE
-                self._finished_at = self._clock.monotonic()
+            return
+        self._tasks = {}
+        if self._epoch < self.job.epochs:
+            self._start_epoch(self._epoch + 1)
+        else:
+            self.state = JobState.DONE
+            self._finished_at = self._clock.monotonic()
 
     def _release(self, task: Task) -> None:
         task.state, task.holder = TaskState.PENDING, None
+        heapq.heappush(self._pending, (task.kind != "evaluate", task.task_id))
         if task.attempts >= MAX_TASK_ATTEMPTS and self.state is JobState.RUNNING:
-            self.state = JobState.FAILED
-            self._finished_at = self._clock.monotonic()
-            self.failure = (f"task {task.task_id} ({task.kind}, epoch {task.epoch}) lost "
-                            f"{task.attempts} workers; giving up")
+            self._finish(JobState.FAILED, f"task {task.task_id} ({task.kind}, epoch {task.epoch})"
+                                          f" lost {task.attempts} workers; giving up")
 
-    # ---- liveness ----------------------------------------------------------------------
+    def _finish(self, state: JobState, failure: str = "") -> None:
+        self.state, self.failure = state, failure
+        self._finished_at = self._clock.monotonic()
+
+    # ---- liveness (expect the lock held) ---------------------------------------------
 
     def _reap(self) -> None:
+        """Declare dead the live workers whose lease ran out and forget the gone workers
+        whose time has come. Only heap entries that are due are touched: each live worker
+        is looked at about once per heartbeat timeout, each gone incarnation once."""
         now = self._clock.monotonic()
-        for worker in self._workers.values():
-            if worker.state is WorkerState.ALIVE and now > worker.last_heartbeat + self._timeout:
-                self._mark_dead(worker, now, f"no heartbeat for {self._timeout:g} s")
+        while self._expiries and self._expiries[0][0] < now:
+            _, _, worker = heapq.heappop(self._expiries)
+            if worker.state is not WorkerState.ALIVE:
+                continue  # gone meanwhile; its forgetting has its own entry
+            deadline = worker.last_heartbeat + self._timeout
+            if now > deadline:
+                self._leave(worker, WorkerState.DEAD, now, f"no heartbeat for {self._timeout:g} s")
+            else:
+                self._schedule(self._expiries, deadline, worker)
+        while self._forgets and self._forgets[0][0] < now:
+            _, _, worker = heapq.heappop(self._forgets)
+            # Only that incarnation: the id may have registered again since.
+            if self._workers.get(worker.worker_id) is worker:
+                del self._workers[worker.worker_id]
 
-    def _mark_dead(self, worker: Worker, now: float, reason: str) -> None:
-        worker.state, worker.reason, worker.died_at = WorkerState.DEAD, reason, now
-        for task_id in sorted(worker.leased):
-            self._release(self._tasks[task_id])
-        worker.leased.clear()
+    def _schedule(self, heap: list, when: float, worker: Worker) -> None:
+        heapq.heappush(heap, (when, next(self._sequence), worker))
+
+    def _leave(self, worker: Worker, state: WorkerState, now: float, reason: str = "") -> None:
+        """The worker becomes DEAD (releasing its tasks) or DONE. If it was live, this is
+        the one moment its incarnation is gone: on_worker_gone is queued and its
+        forgetting scheduled."""
+        was_alive = worker.state is WorkerState.ALIVE
+        worker.state = state
+        if state is WorkerState.DEAD:
+            worker.reason, worker.died_at = reason, now
+            for task_id in sorted(worker.leased):
+                self._release(self._tasks[task_id])
+            worker.leased.clear()
+        if was_alive:
+            self._alive -= 1
+            self._gone.append((worker.worker_id, worker.incarnation))
+            self._schedule(self._forgets, now + self._forget_after, worker)
 
     def _current(self, worker_id: str, incarnation: int) -> Worker | None:
         """The worker if (worker_id, incarnation) is its live incarnation, else None."""
@@ -198,62 +339,63 @@ class JobRunner:
         if not worker_id:
             raise InvalidArgument("RegisterWorker needs a worker_id")
         now = self._clock.monotonic()
-        with self._lock:
-            self._reap()
+        with self._locked():
             old = self._workers.get(worker_id)
             if old is not None and old.state is WorkerState.ALIVE:
-                self._mark_dead(old, now, f"replaced by a new incarnation of {worker_id}")
-            incarnation = self._next_incarnation
-            self._next_incarnation += 1
-            self._workers[worker_id] = Worker(worker_id, incarnation, WorkerState.ALIVE, now)
+                self._leave(old, WorkerState.DEAD, now,
+                            f"replaced by a new incarnation of {worker_id}")
+            incarnation = self._incarnations()
+            worker = Worker(worker_id, incarnation, WorkerState.ALIVE, now)
+            self._workers[worker_id] = worker
+            self._alive += 1
+            self._schedule(self._expiries, now + self._timeout, worker)
             return incarnation
 
     def heartbeat(self, worker_id: str, incarnation: int) -> str:
-        """'continue', 'reregister' (fenced or unknown) or 'stop' (job over)."""
+        """'continue', 'reregister' (fenced, unknown or forgotten) or 'stop' (job over)."""
         now = self._clock.monotonic()
-        with self._lock:
-            self._reap()
+        with self._locked():
             worker = self._current(worker_id, incarnation)
             if worker is None:
                 return "reregister"
             worker.last_heartbeat = now
             if self.over or self.state is JobState.NONE:
-                worker.state = WorkerState.DONE
+                self._leave(worker, WorkerState.DONE, now)
                 return "stop"
             return "continue"
 
     def lease(self, worker_id: str, incarnation: int) -> tuple[str, Task | None]:
         """('task', task) | ('wait', None) | ('done', None) | ('reregister', None)."""
         now = self._clock.monotonic()
-        with self._lock:
-            self._reap()
+        with self._locked():
             worker = self._current(worker_id, incarnation)
             if worker is None:
                 return "reregister", None
             worker.last_heartbeat = now
             if self.state is not JobState.RUNNING:
-                worker.state = WorkerState.DONE
+                self._leave(worker, WorkerState.DONE, now)
                 return "done", None
-            pending = [t for t in self._tasks.values() if t.state is TaskState.PENDING]
-            if not pending:
+            if not self._pending:
                 return "wait", None
-            # Evaluations first: they measure an epoch that has just ended.
-            task = min(pending, key=lambda t: (t.kind != "evaluate", t.task_id))
+            _, task_id = heapq.heappop(self._pending)
+            task = self._tasks[task_id]
             task.state, task.holder = TaskState.LEASED, (worker_id, incarnation)
             task.attempts += 1
-            worker.leased.add(task.task_id)
+            worker.leased.add(task_id)
             return "task", task
 
     def complete(self, worker_id: str, incarnation: int, task_id: int, metrics: Metrics) -> bool:
-        """Record a finished task; returns True for a duplicate report (nothing changes).
+        """Record a finished task; returns True for a duplicate report (nothing changes),
+        including the report of a task of an epoch that has ended (its tasks are dropped).
 
-        Raises NotFound for an unknown task and FencedIncarnation when
+        Raises NotFound for a task id never issued and FencedIncarnation when
         the reporter no longer holds the task's lease (it was declared dead meanwhile).
         """
-        with self._lock:
-            self._reap()
+        with self._locked():
             task = self._tasks.get(task_id)
             if task is None:
+                if 1 <= task_id <= self._issued:
+                    return True  # dropped with its epoch, which ended: it was done
                 raise NotFound(f"task {task_id} does not exist")
             if task.state is TaskState.DONE:
                 return True
@@ -261,12 +403,16 @@ class JobRunner:
                 raise FencedIncarnation(
                     f"worker {worker_id!r} incarnation {incarnation} does not hold task "
                     f"{task_id} (its lease was revoked); register again")
-            worker = self._workers[worker_id]
-            worker.leased.discard(task_id)
-            worker.tasks_done += 1
-            worker.steps += metrics.steps
+            # The holder is that incarnation; after the job ended it may have been told so
+            # and forgotten since, which loses only its own counters.
+            worker = self._workers.get(worker_id)
+            if worker is not None and worker.incarnation == incarnation:
+                worker.leased.discard(task_id)
+                worker.tasks_done += 1
+                worker.steps += metrics.steps
             task.state, task.holder, task.metrics = TaskState.DONE, None, metrics
-            self._advance()
+            self._record(task, metrics)
+            self._advance(task)
             return False
 
     def report_job_error(self, worker_id: str, incarnation: int, message: str) -> bool:
@@ -275,44 +421,42 @@ class JobRunner:
         live worker is left, nobody has shown the job can run: it fails (one worker with a
         broken mount among healthy ones does not fail the job). Returns True if it failed."""
         now = self._clock.monotonic()
-        with self._lock:
-            self._reap()
+        with self._locked():
             worker = self._current(worker_id, incarnation)
             if worker is not None:
-                self._mark_dead(worker, now, f"cannot run the job: {message}")
-            progressed = any(t.state is TaskState.DONE for t in self._tasks.values())
-            others = any(w.state is WorkerState.ALIVE for w in self._workers.values())
-            if self.state is JobState.RUNNING and not progressed and not others:
-                self.state = JobState.FAILED
-                self._finished_at = now
-                self.failure = f"worker {worker_id} cannot run the job: {message}"
+                self._leave(worker, WorkerState.DEAD, now, f"cannot run the job: {message}")
+            if self.state is JobState.RUNNING and self._tasks_done == 0 and self._alive == 0:
+                self._finish(JobState.FAILED, f"worker {worker_id} cannot run the job: {message}")
                 return True
             return False
+
+    def fail(self, message: str) -> bool:
+        """Fail a RUNNING job with `message` as its failure. Returns True if this call
+        changed the state, False if the job was not running (no job, done or failed
+        already). Workers learn it from their next lease or heartbeat."""
+        with self._locked():
+            if self.state is not JobState.RUNNING:
+                return False
+            self._finish(JobState.FAILED, message)
+            return True
 
     # ---- reads -------------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        """A consistent copy of everything status shows (plain values)."""
+        """A consistent copy of everything status shows (plain values). Costs one row per
+        tracked worker and one EpochSummary per epoch, whatever the number of tasks."""
         now = self._clock.monotonic()
-        with self._lock:
-            self._reap()
-            done = [t for t in self._tasks.values() if t.state is TaskState.DONE]
-            epochs = []
-            for epoch in range(1, self._epoch + 1):
-                train = [t.metrics for t in self._epoch_tasks(epoch, "train") if t.metrics]
-                test = [t.metrics for t in self._epoch_tasks(epoch, "evaluate") if t.metrics]
-                epochs.append(EpochSummary(epoch, sum(train, Metrics()),
-                                           test[0] if test else None))
+        with self._locked():
             end = self._finished_at if self._finished_at is not None else now
             return {
                 "state": self.state,
                 "epoch": self._epoch,
                 "epochs": self.job.epochs if self.job else 0,
-                "tasks_done": len(done),
+                "tasks_done": self._tasks_done,
                 "tasks_total": self.job.epochs * (self.job.tasks_per_epoch + 1) if self.job else 0,
-                "steps": sum(t.metrics.steps for t in done if t.kind == "train"),
+                "steps": self._steps,
                 "elapsed_s": end - self._started_at,
-                "metrics": epochs,
+                "metrics": list(self._summaries),
                 "failure": self.failure,
                 "workers": [
                     {**{k: getattr(w, k) for k in ("worker_id", "incarnation", "reason",
@@ -325,9 +469,20 @@ class JobRunner:
             }
 
     def live_workers(self) -> int:
-        with self._lock:
-            self._reap()
-            return sum(w.state is WorkerState.ALIVE for w in self._workers.values())
+        with self._locked():
+            return self._alive
+
+    def tracked_tasks(self) -> int:
+        """How many tasks the runner holds in memory (at most one epoch's, plus its
+        evaluation)."""
+        with self._locked():
+            return len(self._tasks)
+
+    def tracked_workers(self) -> int:
+        """How many workers the runner holds in memory: the live ones and those gone less
+        than `forget_after_s` ago."""
+        with self._locked():
+            return len(self._workers)
 
     def summary(self) -> dict:
         """The job's outcome as plain JSON-ready values (printed when the coordinator ends)."""

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import threading
-
-from ps_common.errors import InvalidArgument
+from ps_common.errors import InvalidArgument, ResourceExhausted
 from ps_common.status import translate_errors
-from ps_common.wire import shardmap_to_proto, spec_from_proto
+from ps_common.wire import shard_from_proto, shardmap_from_proto, shardmap_to_proto, spec_from_proto
 from ps_proto.v1 import coordinator_pb2 as pb
 from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from ps_server.coordinator.assigner import Assigner
+from ps_server.coordinator.identity import ClientRegistry, RetiredLog
 from ps_server.coordinator.jobs import JobRunner, Metrics
 from ps_server.coordinator.placement import server_loads
-from ps_server.coordinator.state import CoordinatorState
+from ps_server.coordinator.state import CoordinatorState, HeldReport, ServerReport
 
 _ACTIONS = {"continue": pb.CONTINUE, "reregister": pb.REREGISTER, "stop": pb.STOP}
 
@@ -20,15 +19,17 @@ _ACTIONS = {"continue": pb.CONTINUE, "reregister": pb.REREGISTER, "stop": pb.STO
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Thread-safe."""
 
-    def __init__(self, state: CoordinatorState, assigner: Assigner, runner: JobRunner, *,
+    def __init__(self, state: CoordinatorState, assigner: Assigner, runner: JobRunner,
+                 clients: ClientRegistry, retired: RetiredLog, *, token: bytes,
                  heartbeat_interval_s: float, keep_serving: bool):
         self._state = state
         self._assigner = assigner
         self._runner = runner
+        self._clients = clients
+        self._retired = retired
+        self._token = token
         self._keep_serving = keep_serving
         self._heartbeat_interval_ms = int(heartbeat_interval_s * 1000)
-        # Declarations are serialized so each one's placement sees the previous one's.
-        self._declare_lock = threading.Lock()
 
     def RegisterServer(self, request, context):
         with translate_errors(context, "RegisterServer"):
@@ -36,35 +37,77 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise InvalidArgument("RegisterServer needs a server_id and an address")
             if request.memory_budget_bytes < 0:
                 raise InvalidArgument("memory_budget_bytes must be >= 0")
-            self._state.register_server(
-                request.server_id, request.address, request.memory_budget_bytes)
+            report = ServerReport(
+                epoch=request.epoch, generation=request.generation,
+                held=tuple(HeldReport(spec_from_proto(h.spec), shard_from_proto(h.shard),
+                                      h.updates) for h in request.held),
+                last_map=shardmap_from_proto(request.last_map))
+            losses = self._state.register_server(
+                request.server_id, request.address, request.memory_budget_bytes, report)
+            if losses and self._state.data_loss:
+                self._runner.fail(self._state.data_loss)
             self._assigner.sync_in_background()
-            return pb.RegisterServerReply(heartbeat_interval_ms=self._heartbeat_interval_ms)
+            return pb.RegisterServerReply(
+                heartbeat_interval_ms=self._heartbeat_interval_ms,
+                generation=self._state.generation, control_token=self._token)
 
     def ServerHeartbeat(self, request, context):
         with translate_errors(context, "ServerHeartbeat"):
-            known, needs_sync = self._state.server_heartbeat(request.server_id, request.epoch)
+            known, needs_sync = self._state.server_heartbeat(
+                request.server_id, request.epoch, request.generation)
             if needs_sync:
                 self._assigner.sync_in_background()
             shutdown = known and self._runner.over and not self._keep_serving
             if shutdown:
                 self._state.mark_told_to_stop(request.server_id)
+            retired, through = (self._retired.since(request.retired_through) if known
+                                else ([], request.retired_through))
             return pb.ServerHeartbeatReply(
-                epoch=self._state.shard_map.epoch, known=known, shutdown=shutdown)
+                epoch=self._state.shard_map.epoch, known=known, shutdown=shutdown,
+                retired=[pb.RetiredClient(client_id=r.client_id, incarnation=r.incarnation)
+                         for r in retired], retired_through=through)
 
     def Declare(self, request, context):
+        """Places new variables and returns once every shard of the declared variables
+        exists on its server. A declaration that changes the map waits until every live
+        server has the new map (so clients never meet a server still on the old epoch); one
+        that declares only known variables waits for nothing but their holders, so a slow
+        server never holds up workers that start after the variables exist."""
         with translate_errors(context, "Declare"):
             if not request.variables:
                 raise InvalidArgument("Declare names no variables")
             specs = [spec_from_proto(v) for v in request.variables]
-            with self._declare_lock:
-                shard_map = self._state.declare(specs)
-                self._assigner.sync(shard_map)
-            return shardmap_to_proto(shard_map)
+            shard_map = self._state.declare(specs)
+            holders, placed_at = self._state.holders([s.name for s in specs])
+            added = placed_at == shard_map.epoch
+            failures = self._assigner.sync(None if added else holders, placed_at)
+            if failures:
+                # A server could not allocate what placement thought fits: take the variables
+                # out of the map again so that nothing waits on shards that do not exist.
+                self._state.withdraw({f.shard.variable for f in failures})
+                self._assigner.sync_in_background()
+                raise ResourceExhausted("; ".join(
+                    f"server {f.server_id}: {f.message}" for f in failures)
+                    + "; nothing was declared: add servers or give them more memory")
+            return shardmap_to_proto(self._state.shard_map)
 
     def GetShardMap(self, request, context):
         with translate_errors(context, "GetShardMap"):
+            self._state.check_no_data_loss()
             return shardmap_to_proto(self._state.shard_map)
+
+    def RegisterClient(self, request, context):
+        with translate_errors(context, "RegisterClient"):
+            if not request.client_id:
+                raise InvalidArgument("RegisterClient needs a client_id")
+            return pb.RegisterClientReply(incarnation=self._clients.register(request.client_id))
+
+    def ReleaseClient(self, request, context):
+        with translate_errors(context, "ReleaseClient"):
+            if not request.client_id or request.incarnation <= 0:
+                raise InvalidArgument("ReleaseClient needs a client_id and its incarnation")
+            self._clients.release(request.client_id, request.incarnation)
+            return pb.ReleaseClientReply()
 
     # ---- training runtime --------------------------------------------------------------
 
@@ -120,7 +163,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             servers = [pb.ServerStatus(
                 server_id=m.server_id, address=m.address, state=state, heartbeat_age_s=age,
                 bytes=loads.get(m.server_id, 0), shards=len(shard_map.shards_on(m.server_id)),
-                synced_epoch=m.synced_epoch) for m, state, age in self._state.server_states()]
+                synced_epoch=m.synced_epoch, state_losses=m.state_losses,
+                lost_shards=m.lost_shards, loss_action=m.loss_action)
+                for m, state, age in self._state.server_states()]
             metrics = [pb.EpochMetrics(
                 epoch=e.epoch, loss=e.train.mean_loss, accuracy=e.train.accuracy,
                 test_loss=e.test.mean_loss if e.test else 0.0,
@@ -137,4 +182,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 workers=[pb.WorkerStatus(**w) for w in snap["workers"]],
                 servers=servers,
                 shard_map_epoch=shard_map.epoch,
+                generation=self._state.generation,
+                awaiting_servers=self._state.awaiting(),
             )

@@ -3,19 +3,52 @@
 Pure state behind one lock, with time from an injected clock: liveness is a lease
 (`online_until = last heartbeat + timeout`) evaluated on read, so tests advance a fake clock
 instead of sleeping. No grpc here.
+
+Servers are the source of truth for the shards they hold. Every server reports, when it
+registers, the shards it holds (with their specs and how often they were updated) and the
+whole shard map of its last assignment. A coordinator that restarted rebuilds its map from
+those reports: it never re-creates or moves a shard a live server holds, and until every
+server named in the recovered map has registered again it refuses to place new variables
+(one of the missing servers may hold them). A server that comes back without shards it had
+acknowledged has lost them: the coordinator says so and, unless told to re-initialize lost
+shards, stops handing out the map (DATA_LOSS) so that the job stops instead of training on
+from initial values.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ps_common.clock import Clock
-from ps_common.errors import SpecConflict
-from ps_common.shardmap import EMPTY_MAP, ShardMap, VariableSpec
+from ps_common.errors import DataLost, NotReady, SpecConflict
+from ps_common.shardmap import EMPTY_MAP, Shard, ShardMap, VariableSpec
+from ps_server.coordinator.identity import first_number
 from ps_server.coordinator.placement import Candidate, place
 from ps_server.initializers import validate_initializer
 from ps_server.optimizers import resolve_knobs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeldReport:
+    """One shard as its server reports it."""
+
+    spec: VariableSpec
+    shard: Shard
+    updates: int = 0  # pushes applied: > 0 means trained values
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """What a registering server holds. The default is a server that holds nothing."""
+
+    epoch: int = 0
+    held: tuple[HeldReport, ...] = ()
+    last_map: ShardMap = EMPTY_MAP
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -27,17 +60,70 @@ class ServerMember:
     synced_epoch: int = 0  # the highest shard-map epoch this server has acknowledged
     last_heartbeat: float = 0.0
     told_to_stop: bool = False
+    state_losses: int = 0  # times it came back without shards it had acknowledged
+    lost_shards: tuple[str, ...] = ()  # what was lost the last time
+    loss_action: str = ""  # "failed the job" | "re-initialized"
+
+
+@dataclass(frozen=True)
+class ServerEvent:
+    """A change in a server's liveness that the coordinator must log or act on.
+
+    kind: "down" (its lease ran out), "back" (it heartbeats again after "down"), "timed_out"
+    (down, or awaited after a coordinator restart, for longer than the server timeout while
+    it holds shards: its values are lost)."""
+
+    kind: str
+    server_id: str
+    address: str
+    shards: tuple[str, ...] = ()
+
+
+def describe_shard(shard: Shard) -> str:
+    return f"{shard.variable}[{shard.row_start}:{shard.row_stop}]"
+
+
+@dataclass
+class _Recovery:
+    """What a restarted coordinator learns from the servers' reports."""
+
+    awaiting: set[str] = field(default_factory=set)  # named in a recovered map, not yet back
+    epoch_floor: int = 0  # the highest epoch any server reported
 
 
 class CoordinatorState:
-    """Thread-safe."""
+    """Thread-safe.
 
-    def __init__(self, clock: Clock, *, heartbeat_timeout_s: float, split_threshold_bytes: int):
+    `generation` makes every epoch this coordinator issues higher than any a predecessor
+    issued (see identity.py). `server_timeout_s`: how long a server holding shards may stay
+    away before its shards count as lost. `reinitialize_lost`: re-create lost shards from
+    their initializers instead of failing (the user opted in).
+    """
+
+    def __init__(self, clock: Clock, *, heartbeat_timeout_s: float, split_threshold_bytes: int,
+                 generation: int = 0, server_timeout_s: float = 60.0,
+                 reinitialize_lost: bool = False):
         self._clock = clock
         self._timeout = heartbeat_timeout_s
         self._split_threshold = split_threshold_bytes
+        self.generation = generation
+        self._server_timeout = server_timeout_s
+        self._reinitialize_lost = reinitialize_lost
+        self._started = clock.monotonic()
         self._servers: dict[str, ServerMember] = {}
-        self._map = EMPTY_MAP
+        self._map = replace(EMPTY_MAP, epoch=first_number(generation))
+        # The epoch at which this coordinator placed each variable (absent: recovered from a
+        # server's report, i.e. held since before this coordinator started).
+        self._placed_at: dict[str, int] = {}
+        # The highest epoch each server has acknowledged to this coordinator, ever.
+        self._acked: dict[str, int] = {}
+        self._reported_held: dict[str, set[tuple[Shard, VariableSpec]]] = {}
+        self._loss_checked: set[tuple[str, Shard]] = set()
+        self._recovery = _Recovery()
+        self._down_since: dict[str, float] = {}
+        self._timed_out: set[str] = set()
+        self._frozen: set[str] = set()  # lost shards, not re-initialized: never resynced
+        self._data_loss = ""
         self._lock = threading.Lock()
 
     @property
@@ -45,38 +131,169 @@ class CoordinatorState:
         with self._lock:
             return self._map
 
+    def check_no_data_loss(self) -> None:
+        """Raise DataLost once trained values are known to be gone (the map is not served)."""
+        with self._lock:
+            if self._data_loss:
+                raise DataLost(self._data_loss)
+
+    @property
+    def data_loss(self) -> str:
+        with self._lock:
+            return self._data_loss
+
+    def awaiting(self) -> list[str]:
+        """Servers named in a recovered shard map that have not registered again yet."""
+        with self._lock:
+            return sorted(self._recovery.awaiting)
+
+    def _next_epoch(self) -> int:
+        """Expects the lock held."""
+        return max(self._map.epoch, self._recovery.epoch_floor) + 1
+
     # ---- servers -----------------------------------------------------------------------
 
-    def register_server(self, server_id: str, address: str, budget_bytes: int) -> None:
-        """(Re-)register a server. A re-registering server is treated as having lost its
-        shards (it restarted) and is resynced; a changed address moves the map's epoch."""
+    def register_server(self, server_id: str, address: str, budget_bytes: int,
+                        report: ServerReport | None = None) -> dict[str, list[str]]:
+        """(Re-)register a server with what it holds. Returns, per server, the shards
+        (described) found lost: the registering server came back without shards it had
+        acknowledged, or its report recovered shards that another registered server said it
+        did not hold. When some are lost and `reinitialize_lost` is off, the state records a
+        data loss (`check_no_data_loss` raises from then on), those servers are never
+        resynced, and the caller fails the job."""
+        report = report or ServerReport()
         now = self._clock.monotonic()
         with self._lock:
+            previous = self._servers.get(server_id)
+            self._recovery.awaiting.discard(server_id)
+            self._reported_held[server_id] = {(h.shard, h.spec) for h in report.held}
+            changed = self._merge_report(server_id, report)
             self._servers[server_id] = ServerMember(
-                server_id, address, budget_bytes, now + self._timeout, synced_epoch=0,
-                last_heartbeat=now)
-            known_address = self._map.servers.get(server_id)
-            if known_address is not None and known_address != address:
-                self._map = replace(self._map, epoch=self._map.epoch + 1,
-                                    servers={**self._map.servers, server_id: address})
+                server_id, address, budget_bytes, now + self._timeout,
+                synced_epoch=report.epoch if report.generation == self.generation else 0,
+                last_heartbeat=now,
+                state_losses=previous.state_losses if previous else 0,
+                lost_shards=previous.lost_shards if previous else (),
+                loss_action=previous.loss_action if previous else "")
+            self._down_since.pop(server_id, None)
+            self._timed_out.discard(server_id)
+            if self._map.servers.get(server_id, address) != address:
+                self._map = replace(self._map, servers={**self._map.servers, server_id: address})
+                changed = True
+            losses = self._find_losses(server_id)
+            for sid, lost in losses.items():
+                self._record_loss(sid, lost)
+            if changed or (losses and self._reinitialize_lost):
+                self._map = replace(self._map, epoch=self._next_epoch())
+            return losses
 
-    def server_heartbeat(self, server_id: str, server_epoch: int) -> tuple[bool, bool]:
-        """Renew the lease. Returns (known, needs_sync)."""
+    def _find_losses(self, registering: str) -> dict[str, list[str]]:
+        """Expects the lock held. A shard counts as lost on the server it is placed on when
+        that server does not hold it and had it: the registering server had acknowledged it
+        (or it comes from a recovered map, i.e. from before this coordinator); another
+        registered server had it in a recovered map but did not report it."""
+        losses: dict[str, list[str]] = {}
+        for sid in self._servers:
+            held = self._reported_held.get(sid, set())
+            acked = self._acked.get(sid, 0)
+            for shard in self._map.shards_on(sid):
+                if (shard, self._map.variables[shard.variable]) in held:
+                    continue
+                placed_at = self._placed_at.get(shard.variable)
+                if sid == registering:
+                    # Placed by this coordinator and never acknowledged: nothing to lose.
+                    is_lost = placed_at is None or acked >= placed_at
+                else:
+                    is_lost = placed_at is None and (sid, shard) not in self._loss_checked
+                if is_lost:
+                    self._loss_checked.add((sid, shard))
+                    losses.setdefault(sid, []).append(describe_shard(shard))
+        return losses
+
+    def _record_loss(self, server_id: str, lost: list[str]) -> None:
+        """Expects the lock held."""
+        member = self._servers[server_id]
+        action = "re-initialized" if self._reinitialize_lost else "failed the job"
+        self._servers[server_id] = replace(
+            member, state_losses=member.state_losses + 1, lost_shards=tuple(lost),
+            loss_action=action)
+        if self._reinitialize_lost:
+            log.warning("parameter server %s (%s) came back without %s: re-creating them "
+                        "from their initializers (--reinitialize-lost-shards)", server_id,
+                        member.address, ", ".join(lost))
+            return
+        self._frozen.add(server_id)
+        self._data_loss = self._data_loss or (
+            f"parameter server {server_id} ({member.address}) came back without the trained "
+            f"values of {', '.join(lost)}: they are lost. Restart the job (or start the "
+            "coordinator with --reinitialize-lost-shards to go on from re-initialized values)")
+        log.error("%s", self._data_loss)
+
+    def _merge_report(self, server_id: str, report: ServerReport) -> bool:
+        """Fold a server's report into the map: variables of its last map that this
+        coordinator does not know (it restarted), and trained shards it holds that the map
+        places elsewhere. Returns True if the map changed. Expects the lock held."""
+        recovered = report.last_map
+        self._recovery.epoch_floor = max(self._recovery.epoch_floor, report.epoch,
+                                         recovered.epoch)
+        servers = dict(self._map.servers)
+        variables = dict(self._map.variables)
+        shards = dict(self._map.shards)
+        changed = False
+        for name, spec in recovered.variables.items():
+            known = variables.get(name)
+            if known is None:
+                variables[name], shards[name] = spec, recovered.shards[name]
+                changed = True
+                for shard in recovered.shards[name]:
+                    servers.setdefault(shard.server_id, recovered.servers.get(shard.server_id, ""))
+                    if shard.server_id not in self._servers and shard.server_id != server_id:
+                        self._recovery.awaiting.add(shard.server_id)
+            elif known != spec:
+                log.error("server %s reports variable %s as %s, the map has %s: keeping the "
+                          "map's", server_id, name, spec.describe(), known.describe())
+        for sid in recovered.servers:
+            if sid not in self._servers and sid != server_id:
+                self._recovery.awaiting.add(sid)
+        for held in report.held:
+            name = held.shard.variable
+            placed = list(shards.get(name, ()))
+            for i, shard in enumerate(placed):
+                same_rows = (shard.index, shard.row_start, shard.row_stop) == (
+                    held.shard.index, held.shard.row_start, held.shard.row_stop)
+                if (same_rows and held.updates and shard.server_id != server_id
+                        and variables[name] == held.spec):
+                    log.warning("server %s holds trained %s, which the map placed on %s: "
+                                "the holder wins", server_id, describe_shard(shard),
+                                shard.server_id)
+                    placed[i] = replace(shard, server_id=server_id)
+                    shards[name] = tuple(placed)
+                    changed = True
+        if changed:
+            self._map = replace(self._map, servers=servers, variables=variables, shards=shards)
+        return changed
+
+    def server_heartbeat(self, server_id: str, server_epoch: int,
+                         generation: int | None = None) -> tuple[bool, bool]:
+        """Renew the lease. Returns (known, needs_sync). A server that registered with
+        another coordinator generation is not known: it registers again (and reports)."""
         now = self._clock.monotonic()
         with self._lock:
             member = self._servers.get(server_id)
-            if member is None:
+            if member is None or (generation is not None and generation != self.generation):
                 return False, False
             self._servers[server_id] = replace(
                 member, online_until=now + self._timeout, last_heartbeat=now,
                 synced_epoch=min(member.synced_epoch, server_epoch))
-            return True, server_epoch < self._map.epoch and self._holds_shards(server_id)
+            return True, (server_epoch < self._map.epoch and server_id not in self._frozen)
 
     def mark_synced(self, server_id: str, epoch: int) -> None:
         with self._lock:
             member = self._servers.get(server_id)
             if member is not None and epoch > member.synced_epoch:
                 self._servers[server_id] = replace(member, synced_epoch=epoch)
+            if member is not None:
+                self._acked[server_id] = max(self._acked.get(server_id, 0), epoch)
 
     def mark_told_to_stop(self, server_id: str) -> None:
         with self._lock:
@@ -94,31 +311,77 @@ class CoordinatorState:
             return list(self._servers.values())
 
     def server_states(self) -> list[tuple[ServerMember, str, float]]:
-        """Every server with its state ("alive", "dead" or "done": told the job is over)
-        and the seconds since its last heartbeat."""
+        """Every server with its state ("alive", "dead", "lost": away past the server timeout
+        while holding shards, or "done": told the job is over) and the seconds since its
+        last heartbeat."""
         now = self._clock.monotonic()
-        return [(m, "done" if m.told_to_stop else "alive" if m.online_until > now else "dead",
+        with self._lock:
+            timed_out = set(self._timed_out)
+        return [(m, "done" if m.told_to_stop else "alive" if m.online_until > now
+                 else "lost" if m.server_id in timed_out else "dead",
                  now - m.last_heartbeat) for m in self.servers()]
 
     def unsynced(self, shard_map: ShardMap) -> list[ServerMember]:
-        """Live servers holding shards of `shard_map` that have not acknowledged its epoch.
-        A dead one is resynced when it registers again, not waited for: declarations go on
-        while a server restarts."""
+        """Live servers that have not acknowledged `shard_map`'s epoch. Every server gets the
+        whole map (a restarted coordinator recovers it from any of them). A dead one is
+        resynced when it registers again, not waited for."""
         now = self._clock.monotonic()
         with self._lock:
-            holders = {s.server_id for shards in shard_map.shards.values() for s in shards}
             return [m for sid, m in self._servers.items()
-                    if sid in holders and m.synced_epoch < shard_map.epoch
-                    and m.online_until > now]
+                    if m.synced_epoch < shard_map.epoch and m.online_until > now
+                    and sid not in self._frozen]
 
-    def _holds_shards(self, server_id: str) -> bool:
-        return any(s.server_id == server_id for shards in self._map.shards.values() for s in shards)
+    def holders(self, names) -> tuple[set[str], int]:
+        """The servers holding shards of `names`, and the epoch each must have acknowledged
+        before those shards exist there."""
+        with self._lock:
+            servers = {s.server_id for n in names for s in self._map.shards.get(n, ())}
+            return servers, max((self._placed_at.get(n, 0) for n in names), default=0)
+
+    def watch(self) -> list[ServerEvent]:
+        """Liveness changes since the last call (the coordinator logs them at once and fails
+        the job on "timed_out"). A timeout also records the data loss."""
+        now = self._clock.monotonic()
+        events = []
+        with self._lock:
+            for sid, m in self._servers.items():
+                if m.told_to_stop:
+                    continue
+                holds = tuple(describe_shard(s) for s in self._map.shards_on(sid))
+                if m.online_until > now:
+                    if self._down_since.pop(sid, None) is not None:
+                        events.append(ServerEvent("back", sid, m.address, holds))
+                    continue
+                if sid not in self._down_since:
+                    self._down_since[sid] = m.online_until
+                    events.append(ServerEvent("down", sid, m.address, holds))
+                if (holds and sid not in self._timed_out
+                        and now - self._down_since[sid] >= self._server_timeout):
+                    events.append(self._time_out(sid, m.address, holds))
+            if now - self._started >= self._server_timeout + self._timeout:
+                for sid in sorted(self._recovery.awaiting - self._timed_out):
+                    holds = tuple(describe_shard(s) for s in self._map.shards_on(sid))
+                    if holds:
+                        events.append(self._time_out(sid, self._map.servers.get(sid, "?"),
+                                                     holds))
+        return events
+
+    def _time_out(self, server_id: str, address: str, holds: tuple[str, ...]) -> ServerEvent:
+        """Expects the lock held."""
+        self._timed_out.add(server_id)
+        self._data_loss = self._data_loss or (
+            f"parameter server {server_id} ({address}) has been gone for more than "
+            f"{self._server_timeout:g} s (--server-timeout) holding {', '.join(holds)}; "
+            "without checkpoints its values are lost")
+        return ServerEvent("timed_out", server_id, address, holds)
 
     # ---- variables ---------------------------------------------------------------------
 
     def declare(self, specs: list[VariableSpec]) -> ShardMap:
         """Add the new variables among `specs` to the map; identical redeclarations are
-        no-ops; a different spec under a known name raises SpecConflict naming both."""
+        no-ops; a different spec under a known name raises SpecConflict naming both.
+        Raises NotReady while servers of a recovered map are still awaited and the request
+        adds variables (one of them may hold those), DataLost after a data loss."""
         seen: dict[str, VariableSpec] = {}
         for spec in specs:
             validate_initializer(spec)
@@ -131,6 +394,8 @@ class CoordinatorState:
         candidates = [Candidate(m.server_id, m.address, m.budget_bytes)
                       for m in self.live_servers()]
         with self._lock:
+            if self._data_loss:
+                raise DataLost(self._data_loss)
             new = []
             for spec in seen.values():
                 existing = self._map.variables.get(spec.name)
@@ -140,7 +405,29 @@ class CoordinatorState:
                     raise SpecConflict(
                         f"variable {spec.name!r} is already declared as {existing.describe()}; "
                         f"this declaration asks for {spec.describe()}")
+            if new and self._recovery.awaiting:
+                raise NotReady(
+                    f"waiting for server(s) {', '.join(sorted(self._recovery.awaiting))} to "
+                    "register again after the coordinator restarted (they may hold these "
+                    "variables); retry")
             if new:
-                self._map = place(self._map, new, candidates,
-                                  split_threshold_bytes=self._split_threshold)
+                candidates = [c for c in candidates if c.server_id not in self._frozen]
+                placed = place(self._map, new, candidates,
+                               split_threshold_bytes=self._split_threshold)
+                self._map = replace(placed, epoch=self._next_epoch())
+                for spec in new:
+                    self._placed_at[spec.name] = self._map.epoch
+            return self._map
+
+    def withdraw(self, names) -> ShardMap:
+        """Take variables just placed out of the map again (a server could not create them)."""
+        with self._lock:
+            names = [n for n in names if n in self._map.variables]
+            if names:
+                self._map = replace(
+                    self._map, epoch=self._next_epoch(),
+                    variables={k: v for k, v in self._map.variables.items() if k not in names},
+                    shards={k: v for k, v in self._map.shards.items() if k not in names})
+                for name in names:
+                    self._placed_at.pop(name, None)
             return self._map

@@ -16,6 +16,7 @@ from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
 from ps_server.app import ParameterServer, ServerConfig
 from ps_server.initializers import initialize_rows
 from ps_worker import PSClient, RemoteError, RetryPolicy
+from ps_worker.coordinator_client import CoordinatorClient
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -40,6 +41,7 @@ def test_stale_epoch_is_aborted_with_current_epoch_and_clients_refresh(cluster):
         epoch = old.epoch
         b.declare("b", shape=(4,), optimizer=SGD1)
         assert b.shard_map.epoch == epoch + 1
+        cluster.wait_until_synced()
 
         (shard,) = old.shards["a"]
         with grpc.insecure_channel(old.servers[shard.server_id]) as channel:
@@ -222,8 +224,31 @@ def test_retries_are_bounded(one, method):
 
 # ---- a restarted server --------------------------------------------------------------------------
 
+def test_restarted_empty_server_fails_with_data_loss_naming_it(make_cluster):
+    cluster = make_cluster(servers=2)
+    with PSClient(cluster.coordinator_address, retry=FAST_RETRY) as ps:
+        ps.declare("w", shape=(4,), optimizer=SGD1)
+        ps.push({"w": np.ones(4, np.float32)})
+        (shard,) = ps.shard_map.shards["w"]
+        index = [s.server_id for s in cluster.servers].index(shard.server_id)
+        cluster.restart_server(index)
+        with pytest.raises(RemoteError) as caught:
+            ps.refresh()
+        assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+        assert shard.server_id in caught.value.details()
+        with pytest.raises(RemoteError) as declared:
+            ps.declare("other", shape=(2,))
+        assert declared.value.code() == grpc.StatusCode.DATA_LOSS
+    with CoordinatorClient(cluster.coordinator_address) as coordinator:
+        status = coordinator.status()
+    (server,) = [s for s in status["servers"] if s["id"] == shard.server_id]
+    assert server["state_losses"] == 1
+    assert server["lost_shards"] == ["w[0:4]"]
+    assert server["loss_action"] == "failed the job"
+
+
 def test_restarted_server_gets_its_shards_back_and_clients_keep_working(make_cluster):
-    cluster = make_cluster(servers=2, split_threshold_bytes=200)
+    cluster = make_cluster(servers=2, split_threshold_bytes=200, reinitialize_lost_shards=True)
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("w", shape=(20, 5), init="uniform", optimizer=SGD1, seed=3)
         ps.declare("b", shape=(5,), init="normal", optimizer=SGD1, seed=4)
@@ -260,7 +285,7 @@ def test_restarted_server_gets_its_shards_back_and_clients_keep_working(make_clu
 
 
 def test_server_restarted_at_a_new_address_is_found(make_cluster):
-    cluster = make_cluster(servers=1)
+    cluster = make_cluster(servers=1, reinitialize_lost_shards=True)
     retry = RetryPolicy(max_attempts=8, initial_backoff_s=0.02, max_backoff_s=0.2)
     with PSClient(cluster.coordinator_address, retry=retry) as ps:
         ps.declare("w", shape=(4,), optimizer=SGD1)

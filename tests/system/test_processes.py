@@ -13,11 +13,12 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from ps_server.initializers import initialize_rows
-from ps_worker import PSClient, RetryPolicy
+from ps_worker import PSClient, RemoteError, RetryPolicy
 
 pytestmark = pytest.mark.system
 
@@ -100,8 +101,8 @@ def spawn(tmp_path):
         proc.kill()
 
 
-def start_cluster(spawn) -> tuple[Process, str, Process, str]:
-    coordinator = spawn([*COORDINATOR, "--port", "0", "--grace", "1"])
+def start_cluster(spawn, *coordinator_args: str) -> tuple[Process, str, Process, str]:
+    coordinator = spawn([*COORDINATOR, "--port", "0", "--grace", "1", *coordinator_args])
     coordinator_address = coordinator.wait_for_address()
     server = spawn([*SERVER, "--port", "0", "--coordinator", coordinator_address,
                     "--server-id", "s0", "--grace", "1", "--heartbeat-interval", "0.2"])
@@ -125,22 +126,51 @@ def test_declare_push_pull_then_sigterm_exits_zero(spawn):
     assert coordinator.terminate_and_wait() == 0
 
 
-def test_killed_server_restarts_on_its_port_and_clients_recover(spawn):
+def _kill_and_restart_server(spawn, server: Process, server_address: str,
+                             coordinator_address: str) -> Process:
+    server.popen.kill()
+    assert server.popen.wait(EXIT_TIMEOUT_S) == -signal.SIGKILL
+    again = spawn([*SERVER, "--port", server_address.rsplit(":", 1)[1], "--coordinator",
+                   coordinator_address, "--server-id", "s0", "--grace", "1",
+                   "--heartbeat-interval", "0.2"])
+    assert again.wait_for_address() == server_address
+    return again
+
+
+def test_killed_server_back_without_its_values_fails_with_data_loss(spawn):
     coordinator, coordinator_address, server, server_address = start_cluster(spawn)
-    port = server_address.rsplit(":", 1)[1]
+    with PSClient(coordinator_address, retry=PATIENT, timeout_s=10) as ps:
+        ps.declare("w", shape=(50, 4), init="uniform", optimizer=SGD1, seed=2)
+        ps.push({"w": np.ones((50, 4), np.float32)})
+        again = _kill_and_restart_server(spawn, server, server_address, coordinator_address)
+        # No checkpoints: the trained values are gone, and nobody trains on from scratch.
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                ps.refresh()
+            except RemoteError as error:
+                if error.code() == grpc.StatusCode.DATA_LOSS:
+                    assert "s0" in error.details() and "w[0:50]" in error.details()
+                    break
+                raise
+            assert time.monotonic() < deadline, "the coordinator never reported the loss"
+            time.sleep(0.05)
+    assert "came back without the trained values" in coordinator.stderr()
+    assert again.terminate_and_wait() == 0
+    assert coordinator.terminate_and_wait() == 0
+
+
+def test_killed_server_restarts_on_its_port_and_clients_recover(spawn):
+    coordinator, coordinator_address, server, server_address = start_cluster(
+        spawn, "--reinitialize-lost-shards")
     with PSClient(coordinator_address, retry=PATIENT, timeout_s=10) as ps:
         spec = ps.declare("w", shape=(50, 4), init="uniform", optimizer=SGD1, seed=2)
         ps.push({"w": np.ones((50, 4), np.float32)})
         np.testing.assert_array_equal(ps.pull("w"), initialize_rows(spec, 0, 50) - 1)
+        again = _kill_and_restart_server(spawn, server, server_address, coordinator_address)
 
-        server.popen.kill()
-        assert server.popen.wait(EXIT_TIMEOUT_S) == -signal.SIGKILL
-        again = spawn([*SERVER, "--port", port, "--coordinator", coordinator_address,
-                       "--server-id", "s0", "--grace", "1", "--heartbeat-interval", "0.2"])
-        assert again.wait_for_address() == server_address
-
-        # No checkpoints: the shard is re-created with its initial values, and the client
-        # (which retries UNAVAILABLE) keeps working without being told anything.
+        # Opted in: the shard is re-created with its initial values, and the client (which
+        # retries UNAVAILABLE) keeps working without being told anything.
         np.testing.assert_array_equal(ps.pull("w"), initialize_rows(spec, 0, 50))
         ps.push({"w": np.ones((50, 4), np.float32)})
         np.testing.assert_array_equal(ps.pull("w"), initialize_rows(spec, 0, 50) - 1)

@@ -555,3 +555,66 @@ def test_duplicate_reports_change_nothing_and_fenced_incarnations_must_reregiste
         assert client.status()["job"]["state"] == "done"
         assert client.lease("solo", second.incarnation) == ("done", None)
     assert_exit_0((coordinator,))
+
+
+# ---- a coordinator that dies mid-job ------------------------------------------------------
+
+def test_coordinator_sigkilled_mid_job_loses_no_trained_value_and_the_job_finishes(launch):
+    import numpy as np
+
+    from ps_worker import PSClient, RetryPolicy
+
+    patient = RetryPolicy(max_attempts=200, initial_backoff_s=0.05, max_backoff_s=0.25)
+    job = ["--heartbeat-interval", str(HEARTBEAT_S), "--heartbeat-timeout",
+           str(HEARTBEAT_TIMEOUT_S), "--epochs", "3", "--tasks-per-epoch", "2"]
+    coordinator = launch("coordinator", "ps_server.coordinator.cli", "--port", "0", *job)
+    address = coordinator.address()
+    servers = [launch(f"ps-{i}", "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}",
+                      "--coordinator", address, "--heartbeat-interval", str(HEARTBEAT_S))
+               for i in range(2)]
+    for server in servers:
+        server.address()
+    observer = Observer(address)
+    with PSClient(address, retry=patient) as ps:
+        # A training loop of the user's own, beside the job: declared in one order, trained.
+        ps.declare("x", shape=(7, 3), init="uniform", optimizer={"name": "sgd", "lr": 1.0})
+        ps.declare("y", shape=(300,), init="normal", optimizer={"name": "sgd", "lr": 1.0})
+        ps.push({"x": np.ones((7, 3), np.float32), "y": np.ones(300, np.float32)})
+        workers = [launch(f"w{i}", "ps_worker.cli", "--coordinator", address, "--worker-id",
+                          f"w{i}", "--device", "cpu") for i in range(2)]
+        wait_for(observer, lambda s: s["job"]["tasks_done"] >= 2, "the job to make progress",
+                 watch=(coordinator, *servers, *workers))
+        observer.close()
+        for worker in workers:  # no push in flight while the values are compared
+            worker.signal(signal.SIGSTOP)
+        shard_map = ps.refresh()
+        names = list(shard_map.variables)
+        before = ps.pull(names)
+
+        coordinator.signal(signal.SIGKILL)
+        assert coordinator.wait(EXIT_S) == -signal.SIGKILL
+        restarted = launch("coordinator-2", "ps_server.coordinator.cli",
+                           "--port", address.rsplit(":", 1)[1], *job)
+        assert restarted.address() == address
+        # Declared again, in the reverse order: nothing is moved or re-created.
+        ps.declare_many([shard_map.variables[n] for n in reversed(names)])
+        assert ps.shard_map.epoch > shard_map.epoch
+        after = ps.pull(names)
+        for name in names:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+        ps.push({"x": np.ones((7, 3), np.float32)})
+        np.testing.assert_array_equal(ps.pull("x"), before["x"] - 1)
+        for worker in workers:
+            worker.signal(signal.SIGCONT)
+
+    observer = Observer(address)
+    try:
+        status = wait_for(observer, job_over, "the job to end",
+                          watch=(restarted, *servers))
+        assert status["job"]["state"] == "done", status
+        assert all(s["state_losses"] == 0 for s in status["servers"])
+    finally:
+        observer.release()
+        observer.close()
+    assert_exit_0([restarted, *servers, *workers], timeout=JOB_S)
+

@@ -445,3 +445,301 @@ def test_one_broken_worker_among_live_ones_does_not_fail_the_job():
     assert not runner.report_job_error("broken", broken, "no such file")
     assert runner.state is JobState.RUNNING
     assert runner.lease("healthy", healthy)[0] == "task"
+
+
+# ---- bounded state -----------------------------------------------------------------------
+
+def make_observed_runner(epochs: int = 2, tasks_per_epoch: int = 2, **kwargs):
+    """A runner whose on_worker_gone calls are recorded, each with the number of live
+    workers the runner reports from inside the callback (so it also shows the lock is
+    free: the lock is not reentrant, and a call made under it would hang)."""
+    clock = FakeClock()
+    gone: list[tuple[str, int, int]] = []
+    runner = JobRunner(JobSpec(epochs=epochs, tasks_per_epoch=tasks_per_epoch), clock,
+                       heartbeat_timeout_s=TIMEOUT_S,
+                       on_worker_gone=lambda w, i: gone.append((w, i, runner.live_workers())),
+                       **kwargs)
+    return runner, clock, gone
+
+
+def test_tracked_tasks_stay_within_one_epoch_however_many_epochs_run():
+    epochs, per_epoch = 40, 5
+    runner, _ = make_runner(epochs=epochs, tasks_per_epoch=per_epoch)
+    workers = [(w, runner.register_worker(w)) for w in ("a", "b", "c")]
+    most = 0
+    turn = 0
+    while runner.state is JobState.RUNNING:
+        worker_id, incarnation = workers[turn % len(workers)]
+        turn += 1
+        outcome, task = runner.lease(worker_id, incarnation)
+        assert outcome == "task", outcome  # one task at a time: never a wait
+        most = max(most, runner.tracked_tasks())
+        runner.complete(worker_id, incarnation, task.task_id, EVAL if task.kind == "evaluate"
+                        else TRAIN)
+    assert runner.state is JobState.DONE
+    assert most <= per_epoch + 1
+    snap = runner.snapshot()
+    assert snap["tasks_done"] == snap["tasks_total"] == epochs * (per_epoch + 1)
+    assert snap["steps"] == epochs * per_epoch * TRAIN.steps
+    assert [e.epoch for e in snap["metrics"]] == list(range(1, epochs + 1))
+    assert all(e.train.examples == per_epoch * TRAIN.examples and e.test == EVAL
+               for e in snap["metrics"])
+    assert sum(row["tasks_done"] for row in snap["workers"]) == epochs * (per_epoch + 1)
+
+
+def test_completing_a_task_of_an_ended_epoch_is_a_duplicate():
+    runner, _ = make_runner(epochs=3, tasks_per_epoch=2)
+    w0 = runner.register_worker("w0")
+    first, second = lease_task(runner, "w0", w0), lease_task(runner, "w0", w0)
+    for task in (first, second):
+        runner.complete("w0", w0, task.task_id, TRAIN)
+    evaluation = lease_task(runner, "w0", w0)
+    runner.complete("w0", w0, evaluation.task_id, EVAL)
+    run_epoch(runner, "w0", w0, 2)
+    assert runner.snapshot()["epoch"] == 3
+    before = runner.snapshot()
+    other = Metrics(loss_sum=999.0, examples=1, correct=1, steps=50)
+    assert runner.complete("w0", w0, first.task_id, other) is True
+    assert runner.complete("w0", w0, evaluation.task_id, other) is True
+    assert runner.complete("stranger", 1, first.task_id, other) is True  # as for any done task
+    after = runner.snapshot()
+    assert (after["tasks_done"], after["steps"], after["metrics"]) == (
+        before["tasks_done"], before["steps"], before["metrics"])
+    assert worker_row(runner, "w0")["tasks_done"] == before["workers"][0]["tasks_done"]
+    # An id never issued is still unknown, below and above the issued ones.
+    nxt = lease_task(runner, "w0", w0)
+    for never in (0, -1, nxt.task_id + 10_000):
+        with pytest.raises(NotFound):
+            runner.complete("w0", w0, never, TRAIN)
+
+
+def test_dead_workers_are_forgotten_after_forget_after_s_and_told_to_reregister():
+    runner, clock, _ = make_observed_runner(forget_after_s=60.0)
+    w0 = runner.register_worker("w0")
+    w1 = runner.register_worker("w1")
+    lease_task(runner, "w0", w0)
+    clock.advance(TIMEOUT_S / 2)
+    assert runner.heartbeat("w1", w1) == "continue"
+    clock.advance(TIMEOUT_S / 2 + 1)
+    assert runner.heartbeat("w1", w1) == "continue"
+    assert worker_row(runner, "w0")["state"] == "dead"
+    assert runner.tracked_workers() == 2
+    for _ in range(10):  # 59 s after its death it is still shown as dead
+        clock.advance(5.9)
+        assert runner.heartbeat("w1", w1) == "continue"
+    assert worker_row(runner, "w0")["state"] == "dead"
+    clock.advance(1.5)  # 60.5 s after its death: forgotten
+    assert runner.heartbeat("w1", w1) == "continue"
+    assert [w["worker_id"] for w in runner.snapshot()["workers"]] == ["w1"]
+    assert runner.tracked_workers() == 1
+    assert runner.heartbeat("w0", w0) == "reregister"
+    assert runner.lease("w0", w0) == ("reregister", None)
+    again = runner.register_worker("w0")
+    assert again > w0 and worker_row(runner, "w0")["state"] == "alive"
+
+
+def test_done_workers_are_forgotten_too():
+    runner, clock, _ = make_observed_runner(epochs=1, tasks_per_epoch=1, forget_after_s=30.0)
+    w0 = runner.register_worker("w0")
+    run_epoch(runner, "w0", w0, 1)
+    assert runner.lease("w0", w0) == ("done", None)
+    clock.advance(29.0)
+    assert runner.heartbeat("w0", w0) == "stop"  # a done worker is not reaped as dead
+    clock.advance(1.5)
+    assert runner.tracked_workers() == 0
+    assert runner.heartbeat("w0", w0) == "reregister"
+
+
+def test_the_default_forget_after_is_six_heartbeat_timeouts_or_a_minute():
+    runner, clock = make_runner()  # TIMEOUT_S = 10: max(60, 60) = 60 s
+    w0 = runner.register_worker("w0")
+    clock.advance(TIMEOUT_S + 1)
+    assert worker_row(runner, "w0")["state"] == "dead"
+    clock.advance(59.0)  # 70 s after the last heartbeat, 59 s after its death
+    assert runner.tracked_workers() == 1
+    clock.advance(1.5)
+    assert runner.tracked_workers() == 0
+    assert runner.heartbeat("w0", w0) == "reregister"
+    clock = FakeClock()
+    slow = JobRunner(JobSpec(epochs=1, tasks_per_epoch=1), clock, heartbeat_timeout_s=20.0)
+    slow.register_worker("w0")
+    clock.advance(20.5)
+    assert slow.live_workers() == 0  # declared dead now, on this read
+    clock.advance(119.0)  # forgotten 120 s after that
+    assert slow.tracked_workers() == 1
+    clock.advance(1.5)
+    assert slow.tracked_workers() == 0
+
+
+def test_forgetting_an_old_incarnation_keeps_the_new_one_of_the_same_id():
+    runner, clock, _ = make_observed_runner(forget_after_s=30.0)
+    old = runner.register_worker("w0")
+    clock.advance(TIMEOUT_S + 1)
+    assert runner.heartbeat("w0", old) == "reregister"  # dead
+    new = runner.register_worker("w0")
+    for _ in range(8):  # well past the old incarnation's forgetting
+        clock.advance(TIMEOUT_S / 2)
+        assert runner.heartbeat("w0", new) == "continue"
+    assert runner.tracked_workers() == 1
+    row = worker_row(runner, "w0")
+    assert (row["incarnation"], row["state"]) == (new, "alive")
+
+
+def test_workers_coming_and_going_stay_bounded_in_memory():
+    """A worker id per restart (as pods get): only those gone within forget_after_s stay."""
+    runner, clock, gone = make_observed_runner(forget_after_s=30.0)
+    most = 0
+    for n in range(500):
+        runner.register_worker(f"pod-{n}")  # then never heard from again
+        clock.advance(1.0)
+        most = max(most, runner.tracked_workers())
+    # Alive for TIMEOUT_S, then remembered as dead for 30 s more: about 41 at any time.
+    assert most <= TIMEOUT_S + 30.0 + 2
+    assert len(gone) >= 500 - TIMEOUT_S - 2
+    assert len({(w, i) for w, i, _ in gone}) == len(gone)
+
+
+# ---- on_worker_gone, fail, incarnations --------------------------------------------------
+
+def test_on_worker_gone_once_for_a_worker_declared_dead():
+    runner, clock, gone = make_observed_runner()
+    w0 = runner.register_worker("w0")
+    w1 = runner.register_worker("w1")
+    clock.advance(TIMEOUT_S / 2)
+    runner.heartbeat("w1", w1)
+    clock.advance(TIMEOUT_S / 2 + 1)
+    assert gone == []  # nothing is reaped until someone calls
+    runner.heartbeat("w1", w1)
+    assert gone == [("w0", w0, 1)]  # called after the change, with the lock free
+    runner.snapshot()
+    runner.heartbeat("w0", w0)
+    runner.report_job_error("w0", w0, "late")  # already gone: not again
+    assert gone == [("w0", w0, 1)]
+
+
+def test_on_worker_gone_once_for_a_replaced_incarnation():
+    runner, _, gone = make_observed_runner()
+    old = runner.register_worker("w0")
+    new = runner.register_worker("w0")
+    assert gone == [("w0", old, 1)]  # the new one is already live when it is called
+    runner.heartbeat("w0", old)
+    assert gone == [("w0", old, 1)]
+    runner.register_worker("w0")
+    assert [g[:2] for g in gone] == [("w0", old), ("w0", new)]
+
+
+def test_on_worker_gone_once_for_a_worker_reporting_a_job_error():
+    runner, _, gone = make_observed_runner()
+    runner.register_worker("ok")
+    bad = runner.register_worker("bad")
+    assert runner.report_job_error("bad", bad, "no such file") is False
+    assert gone == [("bad", bad, 1)]
+    runner.report_job_error("bad", bad, "again")
+    assert gone == [("bad", bad, 1)]
+
+
+def test_on_worker_gone_once_for_a_worker_told_the_job_is_over():
+    runner, _, gone = make_observed_runner(epochs=1, tasks_per_epoch=1)
+    w0 = runner.register_worker("w0")
+    w1 = runner.register_worker("w1")
+    run_epoch(runner, "w0", w0, 1)
+    assert gone == []  # done, but nobody has been told yet
+    assert runner.lease("w0", w0) == ("done", None)
+    assert gone == [("w0", w0, 1)]
+    assert runner.heartbeat("w1", w1) == "stop"
+    assert gone == [("w0", w0, 1), ("w1", w1, 0)]
+    assert runner.heartbeat("w0", w0) == "stop"
+    assert runner.lease("w1", w1) == ("done", None)
+    runner.report_job_error("w0", w0, "after the end")  # done -> dead is no second goodbye
+    assert gone == [("w0", w0, 1), ("w1", w1, 0)]
+
+
+def test_on_worker_gone_is_called_even_when_the_call_that_reaped_raises():
+    runner, clock, gone = make_observed_runner()
+    w0 = runner.register_worker("w0")
+    clock.advance(TIMEOUT_S + 1)
+    with pytest.raises(NotFound):
+        runner.complete("other", 1, 10_000, TRAIN)
+    assert gone == [("w0", w0, 0)]
+
+
+def test_a_failing_on_worker_gone_does_not_fail_the_call_that_reaped(caplog):
+    clock = FakeClock()
+    calls = []
+
+    def broken(worker_id, incarnation):
+        calls.append(worker_id)
+        raise RuntimeError("listener bug")
+
+    runner = JobRunner(JobSpec(epochs=1, tasks_per_epoch=1), clock,
+                       heartbeat_timeout_s=TIMEOUT_S, on_worker_gone=broken)
+    runner.register_worker("a")
+    runner.register_worker("b")
+    c = runner.register_worker("c")
+    clock.advance(TIMEOUT_S / 2)
+    runner.heartbeat("c", c)
+    clock.advance(TIMEOUT_S / 2 + 1)
+    assert runner.heartbeat("c", c) == "continue"
+    assert sorted(calls) == ["a", "b"]  # the second is called although the first raised
+    assert runner.live_workers() == 1
+    assert any(r.levelname == "ERROR" for r in caplog.records)
+
+
+def test_fail_fails_a_running_job_once():
+    runner, clock, gone = make_observed_runner(epochs=1, tasks_per_epoch=1)
+    w0 = runner.register_worker("w0")
+    task = lease_task(runner, "w0", w0)
+    clock.advance(2.0)
+    assert runner.fail("parameter server lost its shards") is True
+    assert runner.state is JobState.FAILED and runner.over
+    assert runner.failure == "parameter server lost its shards"
+    assert runner.fail("second opinion") is False
+    assert runner.failure == "parameter server lost its shards"
+    # The late report of the task it was running is recorded, but the failed job stays
+    # failed: no evaluation, no end of the job as DONE.
+    assert runner.complete("w0", w0, task.task_id, TRAIN) is False
+    assert runner.state is JobState.FAILED
+    assert runner.tracked_tasks() == 1
+    assert runner.lease("w0", w0) == ("done", None)
+    assert gone == [("w0", w0, 0)]
+    clock.advance(50.0)
+    snap = runner.snapshot()
+    assert snap["state"] is JobState.FAILED and snap["elapsed_s"] == pytest.approx(2.0)
+    assert runner.summary()["failure"] == "parameter server lost its shards"
+
+
+def test_fail_is_false_unless_the_job_is_running():
+    done, _ = make_runner(epochs=1, tasks_per_epoch=1)
+    w = done.register_worker("w0")
+    run_epoch(done, "w0", w, 1)
+    assert done.fail("too late") is False
+    assert (done.state, done.failure) == (JobState.DONE, "")
+    idle = JobRunner(None, FakeClock(), heartbeat_timeout_s=TIMEOUT_S)
+    assert idle.fail("nothing to fail") is False
+    assert idle.state is JobState.NONE
+
+
+def test_a_forgotten_holder_reporting_after_the_job_failed_changes_nothing_else():
+    runner, clock, _ = make_observed_runner(epochs=1, tasks_per_epoch=2, forget_after_s=30.0)
+    w0 = runner.register_worker("w0")
+    task = lease_task(runner, "w0", w0)
+    runner.fail("stopped by the operator")
+    assert runner.heartbeat("w0", w0) == "stop"
+    clock.advance(31.0)
+    assert runner.tracked_workers() == 0
+    assert runner.complete("w0", w0, task.task_id, TRAIN) is False
+    assert runner.snapshot()["tasks_done"] == 1
+    assert runner.state is JobState.FAILED
+
+
+def test_the_injected_incarnation_source_is_used():
+    source = iter([7, 9, 40])
+    clock = FakeClock()
+    runner = JobRunner(JobSpec(epochs=1, tasks_per_epoch=1), clock,
+                       heartbeat_timeout_s=TIMEOUT_S, incarnations=lambda: next(source))
+    assert [runner.register_worker(w) for w in ("a", "b", "a")] == [7, 9, 40]
+    assert runner.heartbeat("a", 40) == "continue"
+    assert runner.heartbeat("a", 7) == "reregister"
+    with pytest.raises(ValueError):
+        JobRunner(None, clock, heartbeat_timeout_s=TIMEOUT_S, first_incarnation=1,
+                  incarnations=lambda: 1)

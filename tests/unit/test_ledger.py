@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ps_common.errors import FencedIncarnation
+from ps_common.errors import FencedIncarnation, ResourceExhausted
 from ps_server.ledger import PushLedger
 
 
@@ -141,20 +141,46 @@ def test_max_pending_refuses_to_run_further_ahead_instead_of_guessing():
     assert ledger.pending("w1") == 1
 
 
-def test_max_clients_is_an_lru_bound():
+def test_a_full_ledger_refuses_new_clients_and_never_forgets_a_live_one():
+    # Regression: an LRU bound evicted a client after 4,096 others pushed, and a retry of
+    # its already-applied push was then applied a second time.
     ledger = PushLedger(max_clients=2)
-    assert attempt(ledger, "a", 1, 5) is False
-    assert attempt(ledger, "b", 1, 5) is False
-    assert (ledger.pending("a"), ledger.pending("b")) == (1, 1)
-    assert attempt(ledger, "a", 1, 7) is False  # touches a: b is now least recently used
-    assert attempt(ledger, "c", 1, 5) is False  # evicts b
-    assert ledger.pending("a") == 2
-    assert ledger.pending("b") == 0
-    assert ledger.pending("c") == 1
-    assert attempt(ledger, "a", 1, 5) is True
-    assert attempt(ledger, "d", 1, 5) is False  # evicts c (a was just used)
-    assert ledger.pending("c") == 0
-    assert ledger.pending("a") == 2
+    assert attempt(ledger, "a", 1, 1) is False
+    assert attempt(ledger, "b", 1, 1) is False
+    with pytest.raises(ResourceExhausted):
+        attempt(ledger, "c", 1, 1)
+    assert attempt(ledger, "a", 1, 1) is True  # a's retry is still recognised
+    assert ledger.live_clients() == 2
+
+
+def test_retired_clients_make_room_and_stay_fenced():
+    ledger = PushLedger(max_clients=2)
+    attempt(ledger, "a", 1, 1)
+    attempt(ledger, "b", 1, 1)
+    ledger.retire("b", 1)
+    assert attempt(ledger, "c", 1, 1) is False
+    with pytest.raises(FencedIncarnation):  # a late push of the retired incarnation
+        attempt(ledger, "b", 1, 2)
+    ledger.retire("c", 1)
+    assert attempt(ledger, "b", 2, 1) is False  # a newer incarnation of b is a new client
+
+
+def test_retiring_an_older_incarnation_leaves_the_live_one_alone():
+    ledger = PushLedger()
+    attempt(ledger, "a", 2, 1)
+    ledger.retire("a", 1)
+    assert attempt(ledger, "a", 2, 1) is True
+    assert ledger.live_clients() == 1
+
+
+def test_fences_are_bounded_oldest_first():
+    ledger = PushLedger(max_clients=2)
+    for name in "xyz":
+        attempt(ledger, name, 1, 1)
+        ledger.retire(name, 1)
+    assert attempt(ledger, "x", 1, 2) is False  # x's fence was the oldest: forgotten
+    with pytest.raises(FencedIncarnation):
+        attempt(ledger, "z", 1, 2)
 
 
 def _run_threads(target, n: int) -> None:

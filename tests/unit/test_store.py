@@ -27,13 +27,13 @@ def test_a_repeated_assignment_during_initialization_creates_nothing_twice(monke
     monkeypatch.setattr(store_module, "initialize_rows", slow_initialize)
     store = ShardStore()
     created = []
-    first = threading.Thread(target=lambda: created.append(store.assign(1, {"w": SPEC}, SHARDS)),
+    first = threading.Thread(target=lambda: created.append(store.assign(1, {"w": SPEC}, SHARDS).created),
                              name="assign-first")
     first.start()
 
     def second():
         second_started.set()
-        created.append(store.assign(1, {"w": SPEC}, SHARDS))
+        created.append(store.assign(1, {"w": SPEC}, SHARDS).created)
 
     duplicate = threading.Thread(target=second, name="assign-duplicate")
     duplicate.start()
@@ -47,6 +47,6 @@ def test_an_applied_push_survives_a_repeated_assignment():
     store.assign(1, {"w": SPEC}, SHARDS)
     targets = store.plan_push(1, [("w", 0)], [store_module.TensorMeta("float32", (4, 4))])
     store.apply(targets, [np.ones((4, 4), np.float32)])
-    assert store.assign(1, {"w": SPEC}, SHARDS) == 0
+    assert store.assign(1, {"w": SPEC}, SHARDS).created == 0
     (held,) = store.lookup([("w", 0)])
     np.testing.assert_array_equal(held.values, -np.ones((4, 4), np.float32))

@@ -1,0 +1,77 @@
+"""Which coordinator a parameter server obeys, and what it last heard from it.
+
+Control-plane calls (AssignShards) are accepted only with the generation and random token
+the server received when it registered: workers never see the token, and a coordinator
+that restarted has a new generation and token, so a stale or foreign caller cannot change
+or erase what the server holds. No grpc here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+
+from ps_common.errors import NotAuthorized
+from ps_common.shardmap import EMPTY_MAP, ShardMap
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorFence:
+    """Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._token = b""
+        self._last_map = EMPTY_MAP
+        self._retired_through = 0
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    @property
+    def last_map(self) -> ShardMap:
+        """The whole shard map of the last assignment accepted (reported on registration)."""
+        with self._lock:
+            return self._last_map
+
+    @property
+    def retired_through(self) -> int:
+        with self._lock:
+            return self._retired_through
+
+    def adopt(self, generation: int, token: bytes) -> None:
+        """Obey the coordinator whose registration reply carried these (from now on)."""
+        with self._lock:
+            if generation < self._generation:
+                log.warning("registered with coordinator generation %d, older than %d seen "
+                            "before: its clock may have gone back", generation, self._generation)
+            if generation != self._generation:
+                self._retired_through = 0  # a new coordinator's log of retired clients
+            self._generation, self._token = generation, token
+
+    def check(self, generation: int, token: bytes) -> None:
+        """Raise NotAuthorized unless the call comes from the coordinator this server obeys."""
+        with self._lock:
+            ok = (bool(self._token) and generation == self._generation
+                  and hmac.compare_digest(token, self._token))
+            current = self._generation
+        if not ok:
+            raise NotAuthorized(
+                f"control-plane call refused: it does not come from the coordinator this "
+                f"server registered with (generation {current or 'none yet'}; the call "
+                f"names generation {generation})")
+
+    def remember_map(self, shard_map: ShardMap) -> None:
+        with self._lock:
+            if shard_map.epoch >= self._last_map.epoch:
+                self._last_map = shard_map
+
+    def advance_retired(self, generation: int, through: int) -> None:
+        with self._lock:
+            if generation == self._generation and through > self._retired_through:
+                self._retired_through = through
