@@ -10,7 +10,7 @@ job. Each figure is printed with its ratio to its baseline: flat per-call cost r
 Times are microseconds of wall-clock time per call (time.perf_counter_ns).
 
     python benchmarks/coordinator_scale.py [--epochs 100] [--tasks-per-epoch 1000]
-    python benchmarks/coordinator_scale.py --old /tmp/ps-base    # another checkout's JobRunner
+    python benchmarks/coordinator_scale.py --old ../paramserve-3c4d8f1    # another checkout's JobRunner
 
 No processes, no grpc: it measures the coordinator's job state alone.
 """
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="snapshot() calls timed at least, at the start and at the end; the "
                         "median is shown (default 5, more while under 0.2 s)")
     p.add_argument("--old", metavar="CHECKOUT",
-                   help="measure the JobRunner of another checkout (e.g. /tmp/ps-base)")
+                   help="measure the JobRunner of another checkout (e.g. ../paramserve-3c4d8f1)")
     p.add_argument("--progress", action="store_true", help="print progress to stderr")
     p.add_argument("--bound", type=float, default=3600.0,
                    help="wall-clock bound in seconds (default 3600: the old runner is slow)")

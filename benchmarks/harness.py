@@ -191,6 +191,7 @@ def cluster(n_servers: int = 1, *, server_args: Sequence[str] = (),
     with ProcessGroup() as group:
         coordinator = group.spawn("coordinator", [
             py, "-m", "ps_server.coordinator.cli", "--host", HOST, "--port", "0",
+            "--recovery-grace", "0",
             "--grace", "1", "--log-level", log_level, *coordinator_args], timeout_s=timeout_s)
         servers = [group.spawn(f"s{i}", [
             py, "-m", "ps_server.cli", "--host", HOST, "--port", "0",

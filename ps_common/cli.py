@@ -9,7 +9,6 @@ import logging
 import re
 import signal
 import sys
-import threading
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -42,6 +41,19 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["debug", "info", "warning", "error"])
 
 
+def add_server_loss_arguments(parser: argparse.ArgumentParser) -> None:
+    """--server-timeout and --reinitialize-lost-shards: what the coordinator does about a
+    parameter server that is gone or came back without its shards (ps-coordinator, and
+    ps-cluster, which passes them on)."""
+    parser.add_argument("--server-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="how long a parameter server holding shards may stay unreachable "
+                        "before the job fails naming it (default 60)")
+    parser.add_argument("--reinitialize-lost-shards", action="store_true",
+                        help="when a server comes back without the shards it held, re-create "
+                        "them from their initializers and go on (default: the job fails: "
+                        "DATA_LOSS)")
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()), stream=sys.stderr,
@@ -53,15 +65,19 @@ def run_until_signal(stop, wait, announce) -> int:
     call `stop()` for a graceful shutdown) or until `wait(timeout)` reports the daemon ended
     by itself. Handlers are installed before the announcement, so a signal sent as soon as
     the ready line appears is still graceful. Returns the exit status, 0."""
-    requested = threading.Event()
+    # A plain list, not an Event: the handler must take no lock. A Python handler can run
+    # again, nested, while its first run holds a lock (Event.set's), and deadlock on it: a
+    # second SIGTERM comes soon enough, e.g. PR_SET_PDEATHSIG is sent once for each thread of
+    # a multi-threaded parent that dies (ps-cluster's children).
+    requested: list[int] = []
 
     def on_signal(signum, frame):
-        requested.set()
+        requested.append(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     announce()
     try:
-        while not requested.is_set():
+        while not requested:
             if wait(0.2):
                 return 0
     finally:

@@ -85,3 +85,13 @@ class NotReady(PSError):
 
 class ResourceExhausted(PSError):
     code = "RESOURCE_EXHAUSTED"
+
+
+class Overloaded(ResourceExhausted):
+    """Transient overload (every stream slot taken): the status carries a google.rpc.RetryInfo
+    delay, and clients retry after it with backoff. Other RESOURCE_EXHAUSTED errors (no room
+    for a variable, too many clients) are not retried."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.05):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

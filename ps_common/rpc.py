@@ -2,12 +2,14 @@
 
 Retries are data: which codes are retried, how often and how long to back off is decided
 here, once. Only UNAVAILABLE is retried by default (and DEADLINE_EXCEEDED for idempotent
-reads); pushes are retried only because servers deduplicate them.
+reads), plus any status carrying a google.rpc.RetryInfo delay (an overloaded server);
+pushes are retried only because servers deduplicate them.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -31,12 +33,19 @@ def check_chunk_bytes(chunk_bytes: int, *, what: str = "chunk_bytes") -> None:
         raise ValueError(f"{what} {chunk_bytes} must be a multiple of 8 between 8 and "
                          f"{MAX_CHUNK_BYTES} (3 MiB)")
 
+# Keepalive: every peer pings a connection silent for KEEPALIVE_TIME_MS and drops it when
+# the answer takes longer than KEEPALIVE_TIMEOUT_MS. Servers accept client pings as often as
+# every MIN_CLIENT_PING_INTERVAL_MS, which must not exceed the clients' KEEPALIVE_TIME_MS.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Many pulls/pushes share one connection: fail fast on a dead peer instead of hanging.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     # A restarted server on the same port is found within a second, not after 20 s.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
@@ -46,8 +55,17 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    # A peer that vanished (host gone, no FIN or RST) ends its calls, and frees their handler
+    # threads, once a ping goes unanswered: within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS
+    # of silence, not when TCP gives up hours later. (A server's keepalive pings are not
+    # limited by grpc.http2.max_pings_without_data: gRPC core applies that to clients only.)
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # Clients ping every KEEPALIVE_TIME_MS, with or without calls in flight: accept pings
+    # that often (more often than MIN_CLIENT_PING_INTERVAL_MS is a strike; enough strikes
+    # and the server would close the connection with GOAWAY "too_many_pings").
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
 ]
 
 
@@ -56,7 +74,9 @@ def make_channel(address: str) -> grpc.Channel:
 
 
 def make_server(max_workers: int = 16, interceptors=()) -> tuple[grpc.Server, futures.Executor]:
-    """A gRPC server and its handler thread pool (shut it down after the server stops)."""
+    """A gRPC server and its handler thread pool of `max_workers` threads (shut it down
+    after the server stops). Each call in progress holds one thread, a stream for as long as
+    it is open: a server that bounds its streams sizes the pool above that bound."""
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc")
     server = grpc.server(executor, options=SERVER_OPTIONS, interceptors=list(interceptors))
     return server, executor
@@ -77,9 +97,14 @@ def bind(server: grpc.Server, host: str, port: int) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded, jittered exponential backoff. `max_attempts` includes the first try."""
+    """Bounded, jittered exponential backoff. `max_attempts` includes the first try.
 
-    max_attempts: int = 8
+    `max_attempts=None` retries without limit: only for callers that pass `call_with_retry`
+    a `stop` event, so that whoever owns the wait (e.g. a worker told by its coordinator
+    that the job is over, or by SIGTERM) decides when it ends.
+    """
+
+    max_attempts: int | None = 8
     initial_backoff_s: float = 0.05
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
@@ -87,7 +112,10 @@ class RetryPolicy:
     retry_codes: frozenset = frozenset({grpc.StatusCode.UNAVAILABLE})
 
     def backoff(self, attempt: int, rng: random.Random) -> float:
-        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** attempt)
+        # The exponent is capped: an unlimited policy reaches attempts whose power would
+        # overflow a float (2.0 ** 1100), long after the backoff reached its maximum.
+        base = min(self.max_backoff_s,
+                   self.initial_backoff_s * self.multiplier ** min(attempt, 64))
         return base * rng.uniform(1.0 - self.jitter, 1.0)
 
 
@@ -107,16 +135,28 @@ def call_with_retry(
     policy: RetryPolicy,
     clock: Clock | None = None,
     rng: random.Random | None = None,
+    stop: threading.Event | None = None,
+    on_retry: Callable[[int, RemoteError], None] | None = None,
 ) -> T:
     """Run `call` (one RPC); retry the policy's codes with backoff; raise RemoteError.
 
     `call` must be safe to repeat: an idempotent read, or a push that carries its
     (client, incarnation, sequence).
+
+    `stop`: once it is set no further attempt starts and a backoff wait ends at once, with
+    RemoteError CANCELLED (an attempt in flight runs on, bounded by its own deadline). The
+    backoff is then waited on the event, in real time, whatever `clock` is.
+    `on_retry(attempt, error)`: called before each backoff wait, `attempt` counting the
+    failed attempts so far (1 after the first); it may raise to end the retries early.
     """
+    if policy.max_attempts is None and stop is None:
+        raise ValueError(f"{target}: a retry policy without max_attempts needs a stop event")
     clock = clock or SystemClock()
     rng = rng or _JITTER
     attempt = 0
     while True:
+        if stop is not None and stop.is_set():
+            raise _cancelled(target)
         try:
             return call()
         except grpc.RpcError as error:
@@ -124,6 +164,20 @@ def call_with_retry(
         except RemoteError as error:
             remote = error
         attempt += 1
-        if remote.code() not in policy.retry_codes or attempt >= policy.max_attempts:
+        # A server that says when to come back (google.rpc.RetryInfo: e.g. RESOURCE_EXHAUSTED
+        # while every stream slot is taken) is retried whatever its code.
+        asked_back = remote.retry_after_s is not None
+        if (remote.code() not in policy.retry_codes and not asked_back) or (
+                policy.max_attempts is not None and attempt >= policy.max_attempts):
             raise remote
-        clock.sleep(policy.backoff(attempt - 1, rng))
+        if on_retry is not None:
+            on_retry(attempt, remote)
+        delay = max(policy.backoff(attempt - 1, rng), remote.retry_after_s or 0.0)
+        if stop is None:
+            clock.sleep(delay)
+        elif stop.wait(delay):
+            raise _cancelled(target)
+
+
+def _cancelled(target: str) -> RemoteError:
+    return RemoteError(grpc.StatusCode.CANCELLED, "the caller stopped waiting", target=target)

@@ -14,10 +14,11 @@ import logging
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import code_pb2, status_pb2
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from ps_common.errors import PSError, StaleEpoch
+from ps_common.errors import Overloaded, PSError, StaleEpoch
 from ps_proto.v1 import tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,12 @@ def _status_for(error: PSError) -> grpc.Status:
         detail = any_pb2.Any()
         detail.Pack(tensor_pb2.StaleEpoch(
             request_epoch=error.request_epoch, current_epoch=error.current_epoch))
+        details.append(detail)
+    if isinstance(error, Overloaded):
+        detail = any_pb2.Any()
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(error.retry_after_s * 1e9))
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
         details.append(detail)
     return rpc_status.to_status(status_pb2.Status(
         code=getattr(code_pb2, error.code), message=error.message, details=details))
@@ -58,13 +65,16 @@ class RemoteError(Exception):
     """A failed RPC as the client library raises it: `.code()` is the grpc.StatusCode."""
 
     def __init__(self, code: grpc.StatusCode, message: str, *, target: str = "",
-                 stale_epoch: tensor_pb2.StaleEpoch | None = None):
+                 stale_epoch: tensor_pb2.StaleEpoch | None = None,
+                 retry_after_s: float | None = None):
         prefix = f"{target}: " if target else ""
         super().__init__(f"{prefix}{code.name}: {message}")
         self._code = code
         self._message = message
         self.target = target
         self.stale_epoch = stale_epoch
+        # Set when the server asked to be retried after a delay (google.rpc.RetryInfo).
+        self.retry_after_s = retry_after_s
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -76,10 +86,13 @@ class RemoteError(Exception):
     def from_rpc_error(cls, error: grpc.RpcError, *, target: str = "") -> "RemoteError":
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         message = (error.details() if hasattr(error, "details") else None) or str(error)
-        stale = None
+        stale, retry_after = None, None
         status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
         for detail in status.details if status is not None else ():
             candidate = tensor_pb2.StaleEpoch()
+            retry = error_details_pb2.RetryInfo()
             if detail.Unpack(candidate):
                 stale = candidate
-        return cls(code, message, target=target, stale_epoch=stale)
+            elif detail.Unpack(retry):
+                retry_after = retry.retry_delay.ToNanoseconds() / 1e9
+        return cls(code, message, target=target, stale_epoch=stale, retry_after_s=retry_after)

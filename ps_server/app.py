@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from ps_server.ledger import PushLedger
 from ps_server.memory import default_memory_budget
 from ps_server.servicer import ParameterServerServicer, add_to_server
 from ps_server.store import ShardStore
+from ps_server.streams import StreamLimiter, handler_threads
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,11 @@ class ServerConfig:
     allow_non_finite: bool = False
     grace_s: float = 5.0
     heartbeat_interval_s: float = 1.0
-    max_workers: int = 16
+    # Pull + Push streams served at once; more are refused with RESOURCE_EXHAUSTED. The
+    # handler pool has ps_server.streams.CONTROL_PLANE_THREADS threads more.
+    max_streams: int = 64
+    # A stream whose peer sends (push) or takes (pull) nothing for this long is cancelled.
+    stream_idle_timeout_s: float = 30.0
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -49,6 +55,11 @@ class ServerConfig:
             raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be >= 0")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("--heartbeat-interval must be > 0")
+        if self.max_streams < 1:
+            raise ValueError(f"--max-streams {self.max_streams} must be >= 1")
+        if not (math.isfinite(self.stream_idle_timeout_s) and self.stream_idle_timeout_s > 0):
+            raise ValueError(f"--stream-idle-timeout {self.stream_idle_timeout_s} must be a "
+                             "number of seconds > 0")
 
 
 def advertised_address(host: str, port: int) -> str:
@@ -72,18 +83,23 @@ class ParameterServer:
         self.fence = CoordinatorFence()
         self.memory_budget_bytes = (default_memory_budget() if config.memory_budget_bytes is None
                                     else config.memory_budget_bytes)
+        self.streams = StreamLimiter(
+            max_streams=config.max_streams, idle_timeout_s=config.stream_idle_timeout_s,
+            name=f"ps-server-{config.server_id}" if config.server_id else "ps-server")
         servicer = ParameterServerServicer(self.store, self.ledger, fence=self.fence,
-                                           chunk_bytes=config.chunk_bytes)
+                                           chunk_bytes=config.chunk_bytes, streams=self.streams)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
-            add_servicers=lambda s: add_to_server(servicer, s),
-            interceptors=interceptors, max_workers=config.max_workers,
+            add_servicers=lambda s: add_to_server(servicer, s), interceptors=interceptors,
+            max_workers=handler_threads(config.max_streams), companions=[self.streams],
         )
         self.bound_address, self.port = self._daemon.address, self._daemon.port
         self.address = config.advertise_address or advertised_address(config.host, self.port)
         self.server_id = servicer.server_id = config.server_id or self.address
         self._stop = threading.Event()
         self._membership: threading.Thread | None = None
+        self._membership_rpc: grpc.Future | None = None  # the call stop() cancels
+        self._membership_lock = threading.Lock()
         self.registered = threading.Event()
 
     def start(self) -> "ParameterServer":
@@ -97,6 +113,12 @@ class ParameterServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         self._stop.set()
+        # A hung coordinator must not hold the server past its grace: the membership call
+        # in flight is cancelled (and _coordinator_call starts none once _stop is set).
+        with self._membership_lock:
+            rpc = self._membership_rpc
+        if rpc is not None:
+            rpc.cancel()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
         if self._membership is not None and self._membership is not threading.current_thread():
             self._membership.join(timeout=5.0)
@@ -129,7 +151,8 @@ class ParameterServer:
             while not self._stop.is_set():
                 try:
                     if not registered:
-                        reply = stub.RegisterServer(self._registration(), timeout=5.0)
+                        reply = self._coordinator_call(stub.RegisterServer,
+                                                       self._registration())
                         self.fence.adopt(reply.generation, reply.control_token)
                         registered = True
                         self.registered.set()
@@ -137,9 +160,10 @@ class ParameterServer:
                                  "holding %d shard(s)", self.config.coordinator,
                                  reply.generation, self.server_id, len(self.store.held()))
                     generation = self.fence.generation
-                    reply = stub.ServerHeartbeat(coordinator_pb2.ServerHeartbeatRequest(
-                        server_id=self.server_id, epoch=self.store.epoch, generation=generation,
-                        retired_through=self.fence.retired_through), timeout=5.0)
+                    reply = self._coordinator_call(
+                        stub.ServerHeartbeat, coordinator_pb2.ServerHeartbeatRequest(
+                            server_id=self.server_id, epoch=self.store.epoch,
+                            generation=generation, retired_through=self.fence.retired_through))
                     registered = reply.known
                     for client in reply.retired:
                         self.ledger.retire(client.client_id, client.incarnation)
@@ -149,7 +173,21 @@ class ParameterServer:
                         threading.Thread(target=self.stop, name="ps-server-shutdown",
                                          daemon=True).start()
                         return
+                except grpc.FutureCancelledError:
+                    return  # by stop()
                 except grpc.RpcError as error:
                     log.warning("coordinator %s: %s", self.config.coordinator, error.code().name)
                     registered = False
                 self._stop.wait(interval if registered else min(interval, 0.5))
+
+    def _coordinator_call(self, rpc, request):
+        """`rpc(request)` with a 5 s deadline, cancellable by stop(). Raises grpc.RpcError,
+        or grpc.FutureCancelledError once stop() was called."""
+        call = rpc.future(request, timeout=5.0)
+        with self._membership_lock:
+            self._membership_rpc = call
+        # stop() sets _stop before it reads _membership_rpc: if it read the previous call,
+        # this sees _stop set.
+        if self._stop.is_set():
+            call.cancel()
+        return call.result()

@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-non-finite", action="store_true",
                    help="accept NaN/Inf in gradients instead of refusing the push")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--max-streams", type=int, default=64, metavar="N",
+                   help="Pull and Push streams served at once; more are refused with "
+                   "RESOURCE_EXHAUSTED (default 64)")
+    p.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="cancel a stream whose peer sends (push) or takes (pull) nothing for "
+                   "this long, freeing its slot and thread (default 30)")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long RPCs in flight may finish after SIGTERM")
     return p
@@ -46,7 +52,8 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             advertise_address=args.advertise_address,
             coordinator=args.coordinator, memory_budget_bytes=args.memory_budget,
             chunk_bytes=args.chunk_bytes, allow_non_finite=args.allow_non_finite,
-            grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval)
+            grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval,
+            max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout)
     except ValueError as error:
         fail(parser, str(error))
         raise

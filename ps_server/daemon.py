@@ -17,13 +17,17 @@ log = logging.getLogger(__name__)
 class Daemon:
     """A started gRPC server serving `services` plus health and reflection.
 
-    `add_servicers(server)` registers the daemon's own servicers. Thread-safe `stop`.
+    `add_servicers(server)` registers the daemon's own servicers; `max_workers` sizes its
+    handler thread pool. `companions` are objects with `start()` and `stop()` that run beside
+    the server (e.g. a watchdog): started after it, stopped after it has stopped, so they
+    serve its grace period too. Thread-safe `stop`.
     """
 
     def __init__(self, *, host: str, port: int, service_names: list[str], add_servicers,
-                 interceptors=(), max_workers: int = 16):
+                 interceptors=(), max_workers: int = 16, companions=()):
         self.server, self._executor = make_server(max_workers=max_workers,
                                                   interceptors=interceptors)
+        self._companions = list(companions)
         add_servicers(self.server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
@@ -35,6 +39,8 @@ class Daemon:
 
     def start(self) -> None:
         self.server.start()
+        for companion in self._companions:
+            companion.start()
         for name in ["", *self._service_names]:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -45,6 +51,8 @@ class Daemon:
         self._stopped.set()
         self._health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait(grace_s + 1.0)
+        for companion in self._companions:
+            companion.stop()
         self._executor.shutdown(wait=False)
 
     def wait(self, timeout: float | None = None) -> bool:

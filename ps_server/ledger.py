@@ -66,14 +66,19 @@ class PushLedger:
 
     def retire(self, client_id: str, incarnation: int) -> None:
         """The coordinator says `incarnation` of `client_id` will never push again: forget its
-        dedup state, keep a fence against it. A newer live incarnation is left alone."""
+        dedup state, keep a fence against it. A newer live incarnation is left alone.
+
+        Waits only for this client's push in progress (never holds the table's lock while
+        it does, so other clients' pushes go on)."""
         with self._lock:
             record = self._clients.get(client_id)
-            if record is not None:
-                with record.lock:
-                    if record.incarnation > incarnation:
-                        return
-                    record.retired = True
+        if record is not None:
+            with record.lock:
+                if record.incarnation > incarnation:
+                    return
+                record.retired = True
+        with self._lock:
+            if record is not None and self._clients.get(client_id) is record:
                 del self._clients[client_id]
             if incarnation > self._fences.get(client_id, 0):
                 self._fences[client_id] = incarnation

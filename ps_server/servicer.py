@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from ps_common.errors import InvalidArgument
 from ps_common.status import translate_errors
 from ps_common.tensors import (
-    Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
+    ByteReader, Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
     encode_chunk, iter_chunks,
 )
 from ps_common.wire import shard_to_proto, shardmap_from_proto
@@ -18,38 +19,53 @@ from ps_server.buffers import BufferPool
 from ps_server.control import CoordinatorFence
 from ps_server.ledger import PushLedger
 from ps_server.pushes import PushHeader, PushReceiver
-from ps_server.store import ShardStore
+from ps_server.store import HeldShard, ShardStore
+from ps_server.streams import StreamLimiter
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
-    """Thread-safe: every handler may run concurrently with every other."""
+    """Thread-safe: every handler may run concurrently with every other.
+
+    Pull and Push are admitted by `streams` (at most its max_streams at once; beyond,
+    RESOURCE_EXHAUSTED) and cut by its watchdog (CANCELLED) when their peer stays silent for
+    its idle timeout: while a push waits for its next chunk, or a pull for its client to take
+    the last one. A pull sends each shard as one consistent snapshot.
+    """
 
     def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int,
-                 fence: CoordinatorFence, server_id: str = "",
+                 fence: CoordinatorFence, streams: StreamLimiter, server_id: str = "",
                  buffers: BufferPool | None = None):
         self._store = store
         # Set by the app once the port is bound (a server's id defaults to its address).
         self.server_id = server_id
         self._fence = fence
         self._chunk_bytes = chunk_bytes
-        self._pushes = PushReceiver(store, ledger, buffers or BufferPool())
+        self._streams = streams
+        self._buffers = buffers or BufferPool()
+        self._pushes = PushReceiver(store, ledger, self._buffers)
 
     def Pull(self, request: pb.PullRequest, context):
-        with translate_errors(context, "Pull"):
+        with translate_errors(context, "Pull"), self._streams.admit(context, "Pull") as stream:
             wire = (dtype_from_proto(request.wire_dtype, what="pull wire_dtype")
                     if request.wire_dtype else None)
             plan = self._store.plan_pull(
                 request.epoch, [(r.variable, r.index) for r in request.shards], wire)
             header = pb.PullHeader(tensors=[meta.to_proto() for _, meta in plan])
-            sizes = [meta.nbytes for _, meta in plan]
-            readers = [array_reader(held.values, meta.dtype, held.lock) for held, meta in plan]
-            for i, piece in enumerate(iter_chunks(sizes, readers, self._chunk_bytes)):
-                yield encode_chunk(header.SerializeToString() if i == 0 else None, piece)
+            source = _PullSource(plan, self._chunk_bytes, self._buffers)
+            try:
+                for i, piece in enumerate(source.pieces):
+                    message = encode_chunk(header.SerializeToString() if i == 0 else None, piece)
+                    source.release_finished()  # the message holds its own copy of the bytes
+                    stream.arm()  # until gRPC has handed the message on to the client
+                    yield message
+                    stream.disarm()
+            finally:
+                source.close()
 
     def Push(self, request_iterator, context):
         """`request_iterator` yields decoded `Chunk`s (see `add_to_server`)."""
-        with translate_errors(context, "Push"):
-            chunks = map(_checked, request_iterator)
+        with translate_errors(context, "Push"), self._streams.admit(context, "Push") as stream:
+            chunks = map(_checked, stream.requests(request_iterator))
             first: Chunk | None = next(chunks, None)
             if first is None or first.header is None:
                 raise InvalidArgument("a push stream must start with a chunk carrying its header")
@@ -77,6 +93,65 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 shards_created=outcome.created,
                 failed=[pb.ShardFailure(shard=shard_to_proto(shard), message=message)
                         for shard, message in outcome.failed])
+
+
+class _PullSource:
+    """The pieces of one pull's chunks, each shard a consistent snapshot. Not thread-safe.
+
+    A shard whose bytes fall within one chunk is read in one piece under its lock. A larger
+    one, read piece by piece, would mix values from before and after a push applied in
+    between: when the stream reaches it, it is copied under its lock into a pooled buffer
+    (at memory speed; the lock is held for that copy only) and streamed from the copy.
+    Pieces may be views of those buffers: `release_finished()` gives back the buffers of
+    shards sent in full once the pieces built from them are encoded; `close()` gives back
+    the rest.
+    """
+
+    def __init__(self, plan: list[tuple[HeldShard, TensorMeta]], chunk_bytes: int,
+                 pool: BufferPool):
+        self._pool = pool
+        self._in_use: dict[int, np.ndarray] = {}  # id -> buffer
+        self._finished: list[np.ndarray] = []
+        readers: list[ByteReader] = []
+        start = 0
+        for held, meta in plan:
+            last = start + meta.nbytes - 1
+            if meta.nbytes == 0 or start // chunk_bytes == last // chunk_bytes:
+                readers.append(array_reader(held.values, meta.dtype, held.lock))
+            else:
+                readers.append(self._snapshot_reader(held, meta))
+            start += meta.nbytes
+        self.pieces = iter_chunks([meta.nbytes for _, meta in plan], readers, chunk_bytes)
+
+    def _snapshot_reader(self, held: HeldShard, meta: TensorMeta) -> ByteReader:
+        current: list = []  # [buffer, reader of the copy] once the stream reaches the shard
+
+        def read(offset: int, length: int):
+            if not current:
+                buffer = self._pool.acquire(held.values.nbytes)
+                self._in_use[id(buffer)] = buffer
+                copy = buffer.view(held.values.dtype).reshape(held.values.shape)
+                with held.lock:
+                    np.copyto(copy, held.values)
+                current[:] = [buffer, array_reader(copy, meta.dtype)]
+            piece = current[1](offset, length)
+            if offset + length == meta.nbytes:
+                self._finished.append(current[0])
+            return piece
+
+        return read
+
+    def release_finished(self) -> None:
+        for buffer in self._finished:
+            del self._in_use[id(buffer)]
+            self._pool.release(buffer)
+        self._finished.clear()
+
+    def close(self) -> None:
+        for buffer in self._in_use.values():
+            self._pool.release(buffer)
+        self._in_use.clear()
+        self._finished.clear()
 
 
 def _data_only(chunk: Chunk):

@@ -87,13 +87,13 @@ class FaultInjector(grpc.ServerInterceptor):
             if action == "fail":
                 context.abort(code, f"injected failure of {method}")
             result = behavior(request, context)
+            if action != "drop":
+                return result  # a streamed response stays streamed (stalls, snapshots)
             if kind.endswith("stream"):
-                result = list(result)
-            if action == "drop":
-                if code is not None:  # the `then` hook
-                    code()
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"injected loss of the {method} response")
-            return iter(result) if kind.endswith("stream") else result
+                list(result)  # the call runs to its end; its response is then lost
+            if code is not None:  # the `then` hook
+                code()
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"injected loss of the {method} response")
 
         return handler._replace(**{kind: wrapped})
 
@@ -113,18 +113,25 @@ class InProcessCluster:
                  chunk_bytes: int | None = None, allow_non_finite: bool = False,
                  memory_budget_bytes: int | None = None, heartbeat_interval_s: float = 0.2,
                  ready_timeout_s: float = 10.0, reinitialize_lost_shards: bool = False,
-                 server_timeout_s: float = 60.0):
+                 server_timeout_s: float = 60.0, max_streams: int | None = None,
+                 stream_idle_timeout_s: float | None = None):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_interval_s * 10,
             split_threshold_bytes=split_threshold_bytes, grace_s=1.0,
-            reinitialize_lost_shards=reinitialize_lost_shards, server_timeout_s=server_timeout_s)
+            reinitialize_lost_shards=reinitialize_lost_shards, server_timeout_s=server_timeout_s,
+            recovery_grace_s=0.0)  # a new cluster: nothing to wait for
         self._server_kwargs = dict(
             heartbeat_interval_s=heartbeat_interval_s, allow_non_finite=allow_non_finite,
             memory_budget_bytes=memory_budget_bytes, grace_s=1.0)
         if chunk_bytes is not None:
             self._server_kwargs["chunk_bytes"] = chunk_bytes
+        # None: ServerConfig's defaults (--max-streams, --stream-idle-timeout).
+        if max_streams is not None:
+            self._server_kwargs["max_streams"] = max_streams
+        if stream_idle_timeout_s is not None:
+            self._server_kwargs["stream_idle_timeout_s"] = stream_idle_timeout_s
         self._ready_timeout_s = ready_timeout_s
         self.faults = FaultInjector()
         self.coordinator: Coordinator | None = None
@@ -177,7 +184,10 @@ class InProcessCluster:
         register again. Returns once every server has registered with it."""
         port = self.coordinator.port
         self.coordinator.stop(grace_s=0.2)
-        self.coordinator = Coordinator(replace(self._coordinator_config, port=port)).start()
+        # Servers heartbeat every heartbeat_interval_s: give them a few to report.
+        grace = 5 * self._coordinator_config.heartbeat_interval_s
+        self.coordinator = Coordinator(replace(self._coordinator_config, port=port,
+                                               recovery_grace_s=grace)).start()
         deadline = time.monotonic() + self._ready_timeout_s
         while len(self.coordinator.state.live_servers()) < len(self.servers):
             if time.monotonic() > deadline:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 
 from ps_common.cli import parse_address, setup_logging
 from ps_common.job import JobError
@@ -26,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID)")
     p.add_argument("--coordinator-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="give up when the coordinator is unreachable this long (default 30)")
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+                   help="how long SIGTERM may take to end the worker cleanly before it exits "
+                   "at once (default 5); it holds nothing that must survive")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -36,11 +42,47 @@ def worker_main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     if args.device != "auto" and args.device != "cpu" and not args.device.startswith("cuda"):
         parser.error(f"--device {args.device!r}: expected auto, cpu or cuda:N")
+    if not args.grace >= 0:
+        parser.error(f"--grace {args.grace}: must be >= 0")
     worker = Worker(WorkerConfig(coordinator=args.coordinator, device=args.device,
                                  worker_id=args.worker_id,
                                  coordinator_timeout_s=args.coordinator_timeout))
+    # The worker runs on its own thread and the main thread only handles signals: a Python
+    # signal handler runs on the main thread between two bytecodes, and one that set an event
+    # the main thread was inside the wait of (or started a thread while it held threading's
+    # locks) could deadlock. Here the main thread holds no lock the handler needs.
+    stop_requested: list[float] = []  # when SIGTERM/SIGINT first came (no lock: see above)
+
+    def on_signal(signum, frame):
+        if not stop_requested:
+            stop_requested.append(time.monotonic())
+            worker.request_stop()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: worker.request_stop())
+        signal.signal(signum, on_signal)
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["code"] = _run(worker, args)
+        except BaseException as error:  # noqa: BLE001 - raised again on the main thread
+            outcome["error"] = error
+
+    runner = threading.Thread(target=run, name="ps-worker-main", daemon=True)
+    runner.start()
+    while runner.is_alive():
+        runner.join(0.1)
+        if stop_requested and time.monotonic() - stop_requested[0] > args.grace:
+            # Whatever it is stuck in (an RPC to a hung peer, a kernel), the worker holds
+            # nothing that must survive it: the coordinator re-runs its task.
+            log.error("not stopped within --grace %g s of SIGTERM: exiting now", args.grace)
+            os._exit(1)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["code"]
+
+
+def _run(worker: Worker, args: argparse.Namespace) -> int:
     try:
         return worker.run()
     except BackendUnavailable as error:

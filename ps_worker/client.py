@@ -49,6 +49,11 @@ MAX_MAP_REFRESHES = 5
 # How far a client's push sequences to one server may run ahead of its acknowledged ones
 # (servers remember up to 4096 by default: ps_server.ledger).
 MAX_UNACKED_SEQUENCES = 1024
+# Codes that mean a server did not answer (or we stopped listening): no news of its health.
+_NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.CANCELLED})
+# Deadline of the one GetShardMap with which a waiting call checks whether its server moved.
+MOVED_CHECK_TIMEOUT_S = 5.0
 
 
 def _local_error(code: grpc.StatusCode, message: str) -> RemoteError:
@@ -92,7 +97,10 @@ class PSClient:
             incarnation passed in must come from the coordinator in the same way.
         chunk_bytes: size of the chunks tensors are streamed in.
         timeout_s: deadline of each RPC, plus `timeout_per_gib_s` per GiB it carries.
-        retry: backoff policy for UNAVAILABLE (and DEADLINE_EXCEEDED on pulls).
+        retry: backoff policy for UNAVAILABLE (and DEADLINE_EXCEEDED on pulls). With
+            `max_attempts=None` a call waits for an absent server until it answers, the
+            coordinator's map moves it to another address, or `interrupt()`. Either way an
+            outage is logged once per server (and its end once), not once per retry.
         max_in_flight_pushes: window of `push_async`; a further call blocks until one ends.
         allow_non_finite: do not refuse NaN/Inf gradients client-side (servers started with
             --allow-non-finite accept them).
@@ -147,6 +155,8 @@ class PSClient:
         self._pending: set[futures.Future] = set()
         self._failed: list[futures.Future] = []  # finished push_async calls not yet flushed
         self._closed = False
+        self._interrupted = threading.Event()  # see interrupt()
+        self._unreachable: set[str] = set()  # servers whose outage has been logged
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -160,7 +170,7 @@ class PSClient:
                     lambda: self._coordinator.RegisterClient(
                         coordinator_pb2.RegisterClientRequest(client_id=self.client_id),
                         timeout=self._timeout_s),
-                    target=self.coordinator, policy=self._retry)
+                    target=self.coordinator, policy=self._retry, stop=self._interrupted)
                 with self._lock:
                     self._incarnation = reply.incarnation
                     self._registered_incarnation = True
@@ -183,8 +193,20 @@ class PSClient:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
+    def interrupt(self) -> None:
+        """End every wait of this client, now and from now on: a call that is retrying (e.g.
+        for a server that is away) and every later call raise RemoteError CANCELLED at once;
+        an attempt already on the wire runs on, bounded by its deadline. Pushes cut short
+        this way may or may not have been applied. For a worker told to stop (SIGTERM, or the
+        job is over); `close()` is still to be called. Irreversible; thread-safe."""
+        self._interrupted.set()
+
     def close(self) -> None:
-        """Wait for pushes in flight, then release threads and channels. Idempotent."""
+        """Wait for calls in flight, release threads and channels, then raise the first
+        error of a `push_async` that failed and was never flushed (its gradients did not
+        land, or not everywhere: see `push`). Idempotent: only the first call raises.
+        Under a retry policy without an attempt limit the wait lasts as long as a server is
+        away: call `interrupt()` first to give up on what is in flight."""
         with self._lock:
             if self._closed:
                 return
@@ -199,12 +221,26 @@ class PSClient:
             self._channels.clear()
             self._stubs.clear()
         self._coordinator_channel.close()
+        with self._lock:
+            failed, self._failed = self._failed, []
+        for future in failed:
+            future.result()  # raises the first error
 
     def __enter__(self) -> "PSClient":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # The block's own exception is the one its caller must see: an unflushed push's
+        # error is logged instead of replacing it (not when interrupt() cut it short: that
+        # was asked for).
+        try:
+            self.close()
+        except RemoteError as error:
+            if not (self._interrupted.is_set() and error.code() == grpc.StatusCode.CANCELLED):
+                log.warning("a push_async that was never flushed failed: %s", error)
 
     # ---- shard map ---------------------------------------------------------------------
 
@@ -219,7 +255,7 @@ class PSClient:
         reply = call_with_retry(
             lambda: self._coordinator.GetShardMap(
                 coordinator_pb2.GetShardMapRequest(), timeout=self._timeout_s),
-            target=self.coordinator, policy=self._read_retry)
+            target=self.coordinator, policy=self._read_retry, stop=self._interrupted)
         return self._adopt(shardmap_from_proto(reply))
 
     def _adopt(self, new: ShardMap) -> ShardMap:
@@ -261,7 +297,7 @@ class PSClient:
         request = coordinator_pb2.DeclareRequest(variables=[spec_to_proto(s) for s in specs])
         reply = call_with_retry(
             lambda: self._coordinator.Declare(request, timeout=self._timeout_s * 5),
-            target=self.coordinator, policy=self._retry)
+            target=self.coordinator, policy=self._retry, stop=self._interrupted)
         return self._adopt(shardmap_from_proto(reply))
 
     @staticmethod
@@ -373,7 +409,7 @@ class PSClient:
                 assembler.write(chunk.data)
             assembler.finish()
 
-        call_with_retry(attempt, target=server_id, policy=self._read_retry)
+        self._call_server(attempt, shard_map, server_id, self._read_retry)
         for rows, raw, wire in conversions:
             rows[...] = from_wire(raw, wire)
 
@@ -555,7 +591,7 @@ class PSClient:
             return stub.Push(chunks(), timeout=self._deadline(sum(sizes)))
 
         # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
-        reply = call_with_retry(attempt, target=server_id, policy=self._retry)
+        reply = self._call_server(attempt, shard_map, server_id, self._retry)
         if reply.duplicate and first_send and attempts == 1:
             # Nothing of ours can have been applied before our first send: someone else
             # pushes under this identity, and this push was NOT applied.
@@ -609,6 +645,64 @@ class PSClient:
 
     def _deadline(self, nbytes: int) -> float:
         return self._timeout_s + self._timeout_per_gib_s * nbytes / 2**30
+
+    def _call_server(self, attempt, shard_map: ShardMap, server_id: str, policy: RetryPolicy):
+        """`attempt()` (one RPC to `server_id`) with retries, ended early by `interrupt()`.
+
+        While the server does not answer, one line is logged per outage (and one when it
+        answers again), however many calls wait for it. Under a policy without an attempt
+        limit, each retry also asks the coordinator where the server is: if its map puts the
+        server at another address (or drops it), the call's error is raised, for the caller
+        to redo the call with that map; else the call waits on."""
+        address = shard_map.servers[server_id]
+        patient = policy.max_attempts is None
+
+        def on_retry(attempts: int, error: RemoteError) -> None:
+            self._note_unreachable(server_id, address, error, patient)
+            if patient and self._server_moved(shard_map, server_id):
+                raise error
+
+        try:
+            result = call_with_retry(attempt, target=server_id, policy=policy,
+                                     stop=self._interrupted, on_retry=on_retry)
+        except RemoteError as error:
+            if error.code() not in _NO_ANSWER:
+                self._note_reachable(server_id, address)
+            raise
+        self._note_reachable(server_id, address)
+        return result
+
+    def _note_unreachable(self, server_id: str, address: str, error: RemoteError,
+                          patient: bool) -> None:
+        with self._lock:
+            if server_id in self._unreachable:
+                return
+            self._unreachable.add(server_id)
+        log.warning("parameter server %s at %s is unreachable (%s); %s", server_id, address,
+                    error.code().name, "waiting for it to come back (the coordinator decides "
+                    "when to give up)" if patient else "retrying")
+
+    def _note_reachable(self, server_id: str, address: str) -> None:
+        if server_id not in self._unreachable:  # the common case, without the lock
+            return
+        with self._lock:
+            if server_id not in self._unreachable:
+                return
+            self._unreachable.discard(server_id)
+        log.info("parameter server %s at %s is reachable again", server_id, address)
+
+    def _server_moved(self, used: ShardMap, server_id: str) -> bool:
+        """Whether the coordinator's map puts `server_id` elsewhere than `used` does, or no
+        longer has it. One attempt, no retries: a coordinator that does not answer says no."""
+        if self._interrupted.is_set():
+            return False
+        try:
+            reply = self._coordinator.GetShardMap(coordinator_pb2.GetShardMapRequest(),
+                                                  timeout=MOVED_CHECK_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+        current = self._adopt(shardmap_from_proto(reply))
+        return current.servers.get(server_id) != used.servers[server_id]
 
     def _run_per_server(self, shard_map: ShardMap, names: list[str], fn) -> None:
         self._run_groups(shard_map.group_by_server(names), fn)

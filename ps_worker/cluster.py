@@ -9,16 +9,17 @@ status over gRPC: it imports none of the daemons' internals.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from ps_common.cli import add_server_loss_arguments
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.status import RemoteError
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
@@ -41,8 +42,60 @@ def worker_environment(workers: int) -> dict[str, str]:
     return {**os.environ, **{k: os.environ.get(k, threads) for k in BLAS_THREAD_VARIABLES}}
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_this_process():
+    """A `preexec_fn` for Linux that gives the child SIGTERM when ps-cluster dies, even by
+    SIGKILL (PR_SET_PDEATHSIG), so that no child outlives it: each then stops gracefully,
+    bounded by its own --grace. None elsewhere (no such signal: children may be orphaned).
+
+    The signal comes when the *thread* that forked the child ends, not the process: children
+    are started from ps-cluster's main thread (`main`), which ends only with the process.
+    It runs in the child between fork and exec, so it only calls a C function looked up here
+    beforehand and os.getppid/os._exit (no lock that another thread of ps-cluster could have
+    held at the fork: the status client's threads start after the children)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent, sigterm = os.getpid(), int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
+        # ps-cluster may have died before the line above: then nobody would signal this
+        # child (its parent is now init or a subreaper), so it must not start at all.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+class SignalFlag:
+    """A flag that a signal handler sets. Not a threading.Event: a Python handler runs on
+    the main thread between two bytecodes, possibly inside Event.wait's locked section or
+    inside its own earlier run (a second Ctrl-C), and Event.set would then wait forever for
+    that lock. Appending to a list takes none; `wait` polls."""
+
+    def __init__(self):
+        self._set: list[bool] = []
+
+    def set(self) -> None:
+        self._set.append(True)
+
+    def is_set(self) -> bool:
+        return bool(self._set)
+
+    def wait(self, timeout: float) -> bool:
+        time.sleep(timeout)  # a handler runs during it; the sleep then ends as planned
+        return self.is_set()
+
+
 class Child:
-    """One child process with its output in `log_dir/name.log`."""
+    """One child process with its output in `log_dir/name.log`. Start it from the main
+    thread (see `_die_with_this_process`)."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path,
                  env: dict[str, str] | None = None):
@@ -51,7 +104,7 @@ class Child:
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env,
+            env=env, preexec_fn=_die_with_this_process(),
             start_new_session=True)  # Ctrl-C reaches ps-cluster only; it stops children itself
 
     def wait_for_address(self, deadline: float) -> str:
@@ -67,11 +120,11 @@ class Child:
         raise ClusterError(f"{self.name} was not ready within {READY_TIMEOUT_S:g} s; "
                            f"see {self.log_path}")
 
-    def stop(self, grace_s: float, impatient: threading.Event | None = None) -> None:
+    def stop(self, grace_s: float, impatient: SignalFlag | None = None) -> None:
         """SIGTERM, up to `grace_s` for a clean exit (cut short by `impatient`), SIGKILL."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            impatient = impatient or threading.Event()
+            impatient = impatient or SignalFlag()
             deadline = time.monotonic() + grace_s
             while self.process.poll() is None and time.monotonic() < deadline:
                 if impatient.wait(0.05):
@@ -144,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS")
     p.add_argument("--split-threshold", default="64MiB")
+    add_server_loss_arguments(p)
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the coordinator and servers up after the job (until Ctrl-C)")
     p.add_argument("--log-dir", help="where children's logs go (default: a new temp dir)")
@@ -190,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             "ps_server.coordinator.cli", "--port", "0", "--job", str(job_file), *hb,
             "--heartbeat-timeout", str(args.heartbeat_timeout),
             "--split-threshold", args.split_threshold,
+            # a new cluster: no predecessor's servers to wait for
+            "--recovery-grace", "0", "--server-timeout", str(args.server_timeout),
+            *(["--reinitialize-lost-shards"] if args.reinitialize_lost_shards else []),
             *(["--keep-serving"] if args.keep_serving else [])), log_dir)
         children.append(coordinator)
         address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
@@ -227,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # A further Ctrl-C / SIGTERM while children are being stopped must not abandon them
         # (they run in their own sessions): it only makes the stopping impatient (SIGKILL).
-        impatient = threading.Event()
+        impatient = SignalFlag()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: impatient.set())
         # After a job that ended on the coordinator, children exit by themselves: give them
@@ -297,7 +354,7 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
 
 
 def _stop_all(children: list[Child], wait_s: float,
-              impatient: threading.Event) -> dict[str, int | None]:
+              impatient: SignalFlag) -> dict[str, int | None]:
     """Let children that are finishing exit by themselves (bounded), then stop the rest:
     workers first, then servers, then the coordinator. Once `impatient` is set, whatever is
     left is killed at once."""

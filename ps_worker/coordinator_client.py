@@ -6,6 +6,7 @@ which `CoordinatorUnreachable` names the address.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -56,10 +57,16 @@ _ACTIONS = {pb.CONTINUE: "continue", pb.REREGISTER: "reregister", pb.STOP: "stop
 
 
 class CoordinatorClient:
-    """Thread-safe (one channel, stateless calls)."""
+    """Thread-safe (one channel, stateless calls).
 
-    def __init__(self, address: str, *, give_up_after_s: float = 30.0, rpc_timeout_s: float = 10.0):
+    `stop`: once set, a call that is retrying gives up at once with RemoteError CANCELLED
+    (e.g. a worker on SIGTERM does not wait out `give_up_after_s` of an absent coordinator).
+    """
+
+    def __init__(self, address: str, *, give_up_after_s: float = 30.0, rpc_timeout_s: float = 10.0,
+                 stop: threading.Event | None = None):
         self.address = address
+        self._stop = stop
         self._give_up_after_s = give_up_after_s
         self._timeout = rpc_timeout_s
         self._channel = make_channel(address)
@@ -80,7 +87,8 @@ class CoordinatorClient:
             return rpc(request, timeout=min(self._timeout, remaining))
 
         try:
-            return call_with_retry(attempt, target=self.address, policy=self._retry)
+            return call_with_retry(attempt, target=self.address, policy=self._retry,
+                                   stop=self._stop)
         except RemoteError as error:
             if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CoordinatorUnreachable(self.address, self._give_up_after_s, error) from None

@@ -25,6 +25,7 @@ import numpy as np
 from ps_common.job import JobSpec
 from ps_common.rpc import RetryPolicy
 from ps_common.shardmap import Component, VariableSpec
+from ps_common.status import RemoteError
 from ps_worker.backend import ArrayBackend, select_backend
 from ps_worker.client import PSClient
 from ps_worker.coordinator_client import (
@@ -36,9 +37,10 @@ from ps_worker.models import build_model
 log = logging.getLogger("ps-worker")
 
 
-# A worker rides out a parameter server's restart (about a minute of retrying a call) rather
-# than giving up its task after PSClient's default few seconds.
-SERVER_OUTAGE_RETRY = RetryPolicy(max_attempts=40, initial_backoff_s=0.05, max_backoff_s=2.0)
+# A worker waits for a parameter server that is away for as long as it takes, with one log
+# line: the coordinator decides when the job gives up on the server (--server-timeout; the
+# heartbeat then answers STOP), and SIGTERM ends the wait too (both interrupt the PSClient).
+SERVER_OUTAGE_RETRY = RetryPolicy(max_attempts=None, initial_backoff_s=0.05, max_backoff_s=2.0)
 
 
 class JobCannotRun(ValueError):
@@ -168,62 +170,106 @@ class Trainer:
 
 
 class Worker:
-    """One ps-worker process's life: returns its exit status from `run()`."""
+    """One ps-worker process's life: returns its exit status from `run()`.
+
+    `request_stop()` (thread-safe; SIGTERM) ends every wait at once: the coordinator calls
+    retrying and the current PSClient (`interrupt()`), so that `run()` returns promptly
+    whatever it was waiting for. A STOP or REREGISTER heartbeat answer interrupts the
+    PSClient the same way: its task is abandoned, to run again (tasks are at-least-once).
+    """
 
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self._coordinator = CoordinatorClient(
-            config.coordinator, give_up_after_s=config.coordinator_timeout_s)
         self._stop = threading.Event()
         self._fenced = threading.Event()
         self._job_over = threading.Event()
+        self._coordinator = CoordinatorClient(
+            config.coordinator, give_up_after_s=config.coordinator_timeout_s, stop=self._stop)
+        self._client: PSClient | None = None  # the incarnation's PSClient, to interrupt
+        self._client_lock = threading.Lock()
         self._incarnation = 0
         self.lost_coordinator: Exception | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
+        self._interrupt_client()
+
+    def _watch_client(self, ps: PSClient) -> None:
+        """Make `ps` the client that a stop, a fence or the job's end interrupts (at once if
+        one came already: whichever of this and `_interrupt_client` runs second sees the
+        other's write)."""
+        with self._client_lock:
+            self._client = ps
+        if self._interrupted():
+            ps.interrupt()
+
+    def _interrupt_client(self) -> None:
+        with self._client_lock:
+            ps = self._client
+        if ps is not None:
+            ps.interrupt()
+
+    def _exit_status(self) -> int:
+        return 1 if self.lost_coordinator else 0
 
     def run(self) -> int:
-        # The device first: a worker that cannot use it must not join (and hold tasks).
-        backend = select_backend(self.config.device, log=log.info)
-        registration = self._coordinator.register_worker(self.worker_id)
-        if registration.job is None:
-            log.error("the coordinator at %s has no job to run (start it with job flags or "
-                      "--job FILE)", self.config.coordinator)
-            return 1
-        job = registration.job
-        self._incarnation = registration.incarnation
+        heartbeat = None
         try:
-            dataset = load_dataset(job.data, seed=job.seed)
-            model = build_model(job.model, num_features=dataset.num_features,
-                                num_classes=dataset.num_classes, hidden=job.hidden)
-        except ValueError as error:
-            failed = self._coordinator.report_job_error(self.worker_id, self._incarnation,
-                                                        str(error))
-            raise JobCannotRun(str(error), job_failed=failed) from None
-        trainer = Trainer(job, dataset, model, backend,
-                          push_window=self.config.max_in_flight_pushes)
-        log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
-                 self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)
-        heartbeat = threading.Thread(
-            target=self._heartbeat_loop, args=(registration.heartbeat_interval_s,),
-            name=f"ps-worker-{self.worker_id}-heartbeat", daemon=True)
-        heartbeat.start()
-        try:
+            # The device first: a worker that cannot use it must not join (and hold tasks).
+            backend = select_backend(self.config.device, log=log.info)
+            registration = self._coordinator.register_worker(self.worker_id)
+            if registration.job is None:
+                log.error("the coordinator at %s has no job to run (start it with job flags "
+                          "or --job FILE)", self.config.coordinator)
+                return 1
+            job = registration.job
+            self._incarnation = registration.incarnation
+            try:
+                dataset = load_dataset(job.data, seed=job.seed)
+                model = build_model(job.model, num_features=dataset.num_features,
+                                    num_classes=dataset.num_classes, hidden=job.hidden)
+            except ValueError as error:
+                failed = self._coordinator.report_job_error(self.worker_id, self._incarnation,
+                                                            str(error))
+                raise JobCannotRun(str(error), job_failed=failed) from None
+            trainer = Trainer(job, dataset, model, backend,
+                              push_window=self.config.max_in_flight_pushes)
+            log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
+                     self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)
+            heartbeat = threading.Thread(
+                target=self._heartbeat_loop, args=(registration.heartbeat_interval_s,),
+                name=f"ps-worker-{self.worker_id}-heartbeat", daemon=True)
+            heartbeat.start()
             while True:
                 try:
                     self._serve_incarnation(trainer)
-                    return 1 if self.lost_coordinator else 0
+                    return self._exit_status()
                 except Fenced:
-                    self._incarnation = self._coordinator.register_worker(
-                        self.worker_id).incarnation
-                    self._fenced.clear()
-                    log.warning("this worker was declared dead; re-registered as incarnation %d",
-                                self._incarnation)
+                    pass
+                except RemoteError:
+                    # Once this worker is told to stop, to re-register or that the job is
+                    # over, what its client raises (CANCELLED by interrupt(), a fenced push)
+                    # is moot: the task is abandoned and runs again (at-least-once).
+                    if not self._interrupted():
+                        raise
+                    if self._stop.is_set() or self._job_over.is_set():
+                        return self._exit_status()
+                self._incarnation = self._coordinator.register_worker(
+                    self.worker_id).incarnation
+                self._fenced.clear()
+                log.warning("this worker was declared dead; re-registered as incarnation %d",
+                            self._incarnation)
+        except RemoteError:
+            # A coordinator call cut short by request_stop() (CANCELLED) is no failure.
+            # (An except clause runs before `finally` below sets _stop.)
+            if not self._stop.is_set():
+                raise
+            return self._exit_status()
         finally:
             self._stop.set()
-            heartbeat.join(timeout=5.0)
+            if heartbeat is not None:
+                heartbeat.join(timeout=5.0)
             self._coordinator.close()
 
     def _serve_incarnation(self, trainer: Trainer) -> None:
@@ -231,6 +277,7 @@ class Worker:
         with PSClient(self.config.coordinator, client_id=self.worker_id,
                       incarnation=self._incarnation, retry=SERVER_OUTAGE_RETRY,
                       max_in_flight_pushes=self.config.max_in_flight_pushes) as ps:
+            self._watch_client(ps)
             ps.declare_many(trainer.specs)
             while True:
                 if self._stop.is_set() or self._job_over.is_set():
@@ -246,8 +293,17 @@ class Worker:
                 if outcome == "wait":
                     self._stop.wait(task)
                     continue
-                result = (trainer.train(ps, task, self._interrupted) if task.kind == "train"
-                          else trainer.evaluate(ps))
+                try:
+                    result = (trainer.train(ps, task, self._interrupted)
+                              if task.kind == "train" else trainer.evaluate(ps))
+                except RemoteError as error:
+                    # Servers refuse pushes of an incarnation the coordinator declared gone
+                    # (FAILED_PRECONDITION is what a push gets for that, and only that).
+                    if error.code().name != "FAILED_PRECONDITION":
+                        raise
+                    log.warning("a server refused this incarnation's push (%s): it was "
+                                "declared gone", error.target)
+                    raise Fenced() from None
                 if self._interrupted():
                     continue
                 try:
@@ -272,9 +328,15 @@ class Worker:
             except CoordinatorUnreachable as error:
                 log.error("%s", error)
                 self.lost_coordinator = error
-                self._stop.set()
+                self.request_stop()
                 return
+            except RemoteError:
+                if self._stop.is_set():  # cut short by request_stop() (CANCELLED)
+                    return
+                raise
             if action == "reregister":
                 self._fenced.set()
+                self._interrupt_client()
             elif action == "stop":
                 self._job_over.set()
+                self._interrupt_client()

@@ -40,6 +40,10 @@ class CoordinatorConfig:
     # Re-create shards a server came back without from their initializers instead of
     # failing the job (their trained values are gone either way).
     reinitialize_lost_shards: bool = False
+    # New variables are placed only this long after start, so that servers still holding
+    # shards from a previous coordinator have reported them first (they heartbeat every
+    # second). 0 for a coordinator known to start a new cluster.
+    recovery_grace_s: float = 3.0
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -50,6 +54,8 @@ class CoordinatorConfig:
             raise ValueError(
                 f"--heartbeat-timeout {self.heartbeat_timeout_s} must exceed "
                 f"--heartbeat-interval {self.heartbeat_interval_s}")
+        if self.recovery_grace_s < 0:
+            raise ValueError(f"--recovery-grace {self.recovery_grace_s} must be >= 0")
         if self.server_timeout_s <= 0:
             raise ValueError(f"--server-timeout {self.server_timeout_s} must be > 0")
         if self.split_threshold_bytes < 1:
@@ -74,7 +80,8 @@ class Coordinator:
             self._clock, heartbeat_timeout_s=config.heartbeat_timeout_s,
             split_threshold_bytes=config.split_threshold_bytes, generation=self.generation,
             server_timeout_s=config.server_timeout_s,
-            reinitialize_lost=config.reinitialize_lost_shards)
+            reinitialize_lost=config.reinitialize_lost_shards,
+            recovery_grace_s=config.recovery_grace_s)
         self._assigner = Assigner(self.state, token)
         incarnations = Incarnations(self.generation)
         retired = RetiredLog()
@@ -83,7 +90,7 @@ class Coordinator:
                                 incarnations=incarnations, on_worker_gone=retired.append)
         servicer = CoordinatorServicer(
             self.state, self._assigner, self.runner, ClientRegistry(incarnations, retired),
-            retired, token=token, heartbeat_interval_s=config.heartbeat_interval_s,
+            retired, incarnations, token=token, heartbeat_interval_s=config.heartbeat_interval_s,
             keep_serving=config.keep_serving)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],

@@ -46,9 +46,13 @@ class Assigner:
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ps-assign")
         self._background_sync_running = False
+        self._closed = False
 
     def _stub(self, address: str) -> ps_grpc.ParameterServerStub:
         with self._lock:
+            if self._closed:  # no new channel (and 60 s call) once close() cancelled them
+                raise RemoteError(grpc.StatusCode.CANCELLED, "the coordinator is stopping",
+                                  target=address)
             channel = self._channels.get(address)
             if channel is None:
                 channel = self._channels[address] = make_channel(address)
@@ -74,8 +78,12 @@ class Assigner:
             except grpc.RpcError as error:
                 raise RemoteError.from_rpc_error(error, target=server_id) from None
             self._state.mark_synced(server_id, shard_map.epoch)
-            return [CreationFailure(server_id, shard_from_proto(f.shard), f.message)
-                    for f in reply.failed]
+            failures = [CreationFailure(server_id, shard_from_proto(f.shard), f.message)
+                        for f in reply.failed]
+            for failure in failures:  # whichever declaration placed it looks it up
+                self._state.record_creation_failure(
+                    failure.shard.variable, f"server {server_id}: {failure.message}")
+            return failures
 
     def sync(self, server_ids: set[str] | None = None,
              min_epoch: int | None = None) -> list[CreationFailure]:
@@ -123,6 +131,7 @@ class Assigner:
         # Channels first: closing them cancels assignments in flight, so that stopping the
         # coordinator never waits out a stalled server's RPC deadline.
         with self._lock:
+            self._closed = True
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()

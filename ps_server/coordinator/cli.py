@@ -8,7 +8,8 @@ import logging
 import sys
 
 from ps_common.cli import (
-    add_daemon_arguments, fail, parse_bytes, run_until_signal, setup_logging,
+    add_daemon_arguments, add_server_loss_arguments, fail, parse_bytes, run_until_signal,
+    setup_logging,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
@@ -27,12 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="SECONDS")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="SECONDS")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS")
-    p.add_argument("--server-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="how long a parameter server holding shards may stay unreachable "
-                   "before the job fails naming it (default 60)")
-    p.add_argument("--reinitialize-lost-shards", action="store_true",
-                   help="when a server comes back without the shards it held, re-create them "
-                   "from their initializers and go on (default: the job fails: DATA_LOSS)")
+    add_server_loss_arguments(p)
+    p.add_argument("--recovery-grace", type=float, default=3.0, metavar="SECONDS",
+                   help="place no new variable this long after start, so that servers of a "
+                   "previous coordinator report their shards first (default 3; 0 for a new "
+                   "cluster)")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep servers and the coordinator up after the job ends")
     add_job_arguments(p)
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout,
             split_threshold_bytes=args.split_threshold, grace_s=args.grace,
             server_timeout_s=args.server_timeout,
-            reinitialize_lost_shards=args.reinitialize_lost_shards)
+            reinitialize_lost_shards=args.reinitialize_lost_shards,
+            recovery_grace_s=args.recovery_grace)
     except ValueError as error:
         fail(parser, str(error))
         raise

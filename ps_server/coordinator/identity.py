@@ -40,6 +40,12 @@ class Incarnations:
             self._next += 1
             return self._next
 
+    def raise_floor(self, generation: int) -> None:
+        """Hand out only numbers of `generation` or later from now on (a server reported a
+        generation at or above this coordinator's: the clock went back)."""
+        with self._lock:
+            self._next = max(self._next, first_number(generation))
+
 
 @dataclass(frozen=True)
 class Retired:

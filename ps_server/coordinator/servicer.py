@@ -8,7 +8,7 @@ from ps_common.wire import shard_from_proto, shardmap_from_proto, shardmap_to_pr
 from ps_proto.v1 import coordinator_pb2 as pb
 from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from ps_server.coordinator.assigner import Assigner
-from ps_server.coordinator.identity import ClientRegistry, RetiredLog
+from ps_server.coordinator.identity import ClientRegistry, Incarnations, RetiredLog
 from ps_server.coordinator.jobs import JobRunner, Metrics
 from ps_server.coordinator.placement import server_loads
 from ps_server.coordinator.state import CoordinatorState, HeldReport, ServerReport
@@ -20,13 +20,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Thread-safe."""
 
     def __init__(self, state: CoordinatorState, assigner: Assigner, runner: JobRunner,
-                 clients: ClientRegistry, retired: RetiredLog, *, token: bytes,
+                 clients: ClientRegistry, retired: RetiredLog, incarnations: Incarnations, *,
+                 token: bytes,
                  heartbeat_interval_s: float, keep_serving: bool):
         self._state = state
         self._assigner = assigner
         self._runner = runner
         self._clients = clients
         self._retired = retired
+        self._incarnations = incarnations
         self._token = token
         self._keep_serving = keep_serving
         self._heartbeat_interval_ms = int(heartbeat_interval_s * 1000)
@@ -46,7 +48,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.server_id, request.address, request.memory_budget_bytes, report)
             if losses and self._state.data_loss:
                 self._runner.fail(self._state.data_loss)
-            self._assigner.sync_in_background()
+            if self._state.highest_reported_generation >= self._state.generation:
+                # This coordinator's clock is behind a predecessor's: keep its incarnations
+                # above every one that predecessor may have handed out.
+                self._incarnations.raise_floor(self._state.highest_reported_generation + 1)
+            # No assignment yet: the server obeys this coordinator only once it has read this
+            # reply; its first heartbeat asks for the map.
             return pb.RegisterServerReply(
                 heartbeat_interval_ms=self._heartbeat_interval_ms,
                 generation=self._state.generation, control_token=self._token)
@@ -77,18 +84,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if not request.variables:
                 raise InvalidArgument("Declare names no variables")
             specs = [spec_from_proto(v) for v in request.variables]
-            shard_map = self._state.declare(specs)
+            _, added = self._state.declare_new(specs)
             holders, placed_at = self._state.holders([s.name for s in specs])
-            added = placed_at == shard_map.epoch
-            failures = self._assigner.sync(None if added else holders, placed_at)
-            if failures:
-                # A server could not allocate what placement thought fits: take the variables
-                # out of the map again so that nothing waits on shards that do not exist.
-                self._state.withdraw({f.shard.variable for f in failures})
+            # A map with new variables goes to every live server before the call returns.
+            self._assigner.sync(None if added else holders, placed_at)
+            failed = self._state.creation_failures(added)
+            if failed:
+                # A server could not allocate what placement thought fits: take this call's
+                # variables out of the map again, so nothing waits on shards that do not exist.
+                self._state.withdraw(added)
                 self._assigner.sync_in_background()
-                raise ResourceExhausted("; ".join(
-                    f"server {f.server_id}: {f.message}" for f in failures)
-                    + "; nothing was declared: add servers or give them more memory")
+                raise ResourceExhausted("; ".join(failed.values())
+                                        + "; nothing was declared: add servers or give them "
+                                        "more memory")
             return shardmap_to_proto(self._state.shard_map)
 
     def GetShardMap(self, request, context):

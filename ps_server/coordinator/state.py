@@ -95,20 +95,24 @@ class CoordinatorState:
     """Thread-safe.
 
     `generation` makes every epoch this coordinator issues higher than any a predecessor
-    issued (see identity.py). `server_timeout_s`: how long a server holding shards may stay
+    issued (see identity.py). `recovery_grace_s`: for this long after it starts, the
+    coordinator places no new variable, so that servers of a predecessor (which heartbeat
+    every second or so) have reported what they hold before anything could be placed over
+    it. `server_timeout_s`: how long a server holding shards may stay
     away before its shards count as lost. `reinitialize_lost`: re-create lost shards from
     their initializers instead of failing (the user opted in).
     """
 
     def __init__(self, clock: Clock, *, heartbeat_timeout_s: float, split_threshold_bytes: int,
                  generation: int = 0, server_timeout_s: float = 60.0,
-                 reinitialize_lost: bool = False):
+                 reinitialize_lost: bool = False, recovery_grace_s: float = 0.0):
         self._clock = clock
         self._timeout = heartbeat_timeout_s
         self._split_threshold = split_threshold_bytes
         self.generation = generation
         self._server_timeout = server_timeout_s
         self._reinitialize_lost = reinitialize_lost
+        self._recovery_grace = recovery_grace_s
         self._started = clock.monotonic()
         self._servers: dict[str, ServerMember] = {}
         self._map = replace(EMPTY_MAP, epoch=first_number(generation))
@@ -119,6 +123,12 @@ class CoordinatorState:
         self._acked: dict[str, int] = {}
         self._reported_held: dict[str, set[tuple[Shard, VariableSpec]]] = {}
         self._loss_checked: set[tuple[str, Shard]] = set()
+        # Servers whose last registration came from a new process (it had never registered
+        # with any coordinator): only such a server can have lost shards. A process that
+        # lives on keeps what it holds (it refuses to drop trained shards).
+        self._fresh: set[str] = set()
+        self._creation_failures: dict[str, str] = {}  # variable -> why a server could not
+        self.highest_reported_generation = 0
         self._recovery = _Recovery()
         self._down_since: dict[str, float] = {}
         self._timed_out: set[str] = set()
@@ -143,7 +153,7 @@ class CoordinatorState:
             return self._data_loss
 
     def awaiting(self) -> list[str]:
-        """Servers named in a recovered shard map that have not registered again yet."""
+        """Servers holding shards of a recovered map that have not registered again yet."""
         with self._lock:
             return sorted(self._recovery.awaiting)
 
@@ -167,6 +177,12 @@ class CoordinatorState:
             previous = self._servers.get(server_id)
             self._recovery.awaiting.discard(server_id)
             self._reported_held[server_id] = {(h.shard, h.spec) for h in report.held}
+            self.highest_reported_generation = max(self.highest_reported_generation,
+                                                   report.generation)
+            if report.generation == 0:
+                self._fresh.add(server_id)
+            else:
+                self._fresh.discard(server_id)
             changed = self._merge_report(server_id, report)
             self._servers[server_id] = ServerMember(
                 server_id, address, budget_bytes, now + self._timeout,
@@ -183,17 +199,19 @@ class CoordinatorState:
             losses = self._find_losses(server_id)
             for sid, lost in losses.items():
                 self._record_loss(sid, lost)
+            if report.generation == 0:  # acknowledgements were the previous process's
+                self._acked.pop(server_id, None)
             if changed or (losses and self._reinitialize_lost):
                 self._map = replace(self._map, epoch=self._next_epoch())
             return losses
 
     def _find_losses(self, registering: str) -> dict[str, list[str]]:
-        """Expects the lock held. A shard counts as lost on the server it is placed on when
-        that server does not hold it and had it: the registering server had acknowledged it
-        (or it comes from a recovered map, i.e. from before this coordinator); another
-        registered server had it in a recovered map but did not report it."""
+        """Expects the lock held. Only a new server process (`_fresh`) can have lost shards,
+        and a shard placed on it counts as lost when it does not hold it and had it: the
+        registering server had acknowledged it to this coordinator, or the shard comes from
+        a recovered map (it was placed before this coordinator started)."""
         losses: dict[str, list[str]] = {}
-        for sid in self._servers:
+        for sid in self._servers.keys() & self._fresh:
             held = self._reported_held.get(sid, set())
             acked = self._acked.get(sid, 0)
             for shard in self._map.shards_on(sid):
@@ -252,9 +270,6 @@ class CoordinatorState:
             elif known != spec:
                 log.error("server %s reports variable %s as %s, the map has %s: keeping the "
                           "map's", server_id, name, spec.describe(), known.describe())
-        for sid in recovered.servers:
-            if sid not in self._servers and sid != server_id:
-                self._recovery.awaiting.add(sid)
         for held in report.held:
             name = held.shard.variable
             placed = list(shards.get(name, ()))
@@ -342,7 +357,7 @@ class CoordinatorState:
         """Liveness changes since the last call (the coordinator logs them at once and fails
         the job on "timed_out"). A timeout also records the data loss."""
         now = self._clock.monotonic()
-        events = []
+        events, gone = [], []
         with self._lock:
             for sid, m in self._servers.items():
                 if m.told_to_stop:
@@ -358,6 +373,10 @@ class CoordinatorState:
                 if (holds and sid not in self._timed_out
                         and now - self._down_since[sid] >= self._server_timeout):
                     events.append(self._time_out(sid, m.address, holds))
+                elif not holds and now - self._down_since[sid] >= self._server_timeout:
+                    gone.append(sid)  # holds nothing: forgotten, as if never seen
+            for sid in gone:
+                self._forget_server(sid)
             if now - self._started >= self._server_timeout + self._timeout:
                 for sid in sorted(self._recovery.awaiting - self._timed_out):
                     holds = tuple(describe_shard(s) for s in self._map.shards_on(sid))
@@ -365,6 +384,15 @@ class CoordinatorState:
                         events.append(self._time_out(sid, self._map.servers.get(sid, "?"),
                                                      holds))
         return events
+
+    def _forget_server(self, server_id: str) -> None:
+        """Expects the lock held."""
+        for table in (self._servers, self._acked, self._reported_held, self._down_since):
+            table.pop(server_id, None)
+        self._fresh.discard(server_id)
+        if server_id in self._map.servers:
+            self._map = replace(self._map, epoch=self._next_epoch(), servers={
+                k: v for k, v in self._map.servers.items() if k != server_id})
 
     def _time_out(self, server_id: str, address: str, holds: tuple[str, ...]) -> ServerEvent:
         """Expects the lock held."""
@@ -380,8 +408,13 @@ class CoordinatorState:
     def declare(self, specs: list[VariableSpec]) -> ShardMap:
         """Add the new variables among `specs` to the map; identical redeclarations are
         no-ops; a different spec under a known name raises SpecConflict naming both.
-        Raises NotReady while servers of a recovered map are still awaited and the request
-        adds variables (one of them may hold those), DataLost after a data loss."""
+        Raises NotReady during the recovery grace period and while servers of a recovered
+        map are still awaited, if the request adds variables (one of them may hold those);
+        DataLost after a data loss."""
+        return self.declare_new(specs)[0]
+
+    def declare_new(self, specs: list[VariableSpec]) -> tuple[ShardMap, list[str]]:
+        """`declare`, also returning the names this call placed."""
         seen: dict[str, VariableSpec] = {}
         for spec in specs:
             validate_initializer(spec)
@@ -393,6 +426,7 @@ class CoordinatorState:
             seen[spec.name] = spec
         candidates = [Candidate(m.server_id, m.address, m.budget_bytes)
                       for m in self.live_servers()]
+        now = self._clock.monotonic()
         with self._lock:
             if self._data_loss:
                 raise DataLost(self._data_loss)
@@ -405,19 +439,35 @@ class CoordinatorState:
                     raise SpecConflict(
                         f"variable {spec.name!r} is already declared as {existing.describe()}; "
                         f"this declaration asks for {spec.describe()}")
-            if new and self._recovery.awaiting:
+            if not new:
+                return self._map, []
+            if now - self._started < self._recovery_grace:
+                raise NotReady(
+                    f"the coordinator started {now - self._started:.1f} s ago: it places new "
+                    f"variables after {self._recovery_grace:g} s, once servers that held shards "
+                    "before it started have reported them; retry")
+            if self._recovery.awaiting:
                 raise NotReady(
                     f"waiting for server(s) {', '.join(sorted(self._recovery.awaiting))} to "
                     "register again after the coordinator restarted (they may hold these "
                     "variables); retry")
-            if new:
-                candidates = [c for c in candidates if c.server_id not in self._frozen]
-                placed = place(self._map, new, candidates,
-                               split_threshold_bytes=self._split_threshold)
-                self._map = replace(placed, epoch=self._next_epoch())
-                for spec in new:
-                    self._placed_at[spec.name] = self._map.epoch
-            return self._map
+            candidates = [c for c in candidates if c.server_id not in self._frozen]
+            placed = place(self._map, new, candidates,
+                           split_threshold_bytes=self._split_threshold)
+            self._map = replace(placed, epoch=self._next_epoch())
+            for spec in new:
+                self._placed_at[spec.name] = self._map.epoch
+                self._creation_failures.pop(spec.name, None)
+            return self._map, [spec.name for spec in new]
+
+    def record_creation_failure(self, variable: str, message: str) -> None:
+        """A server could not create a shard of `variable` (its memory ran out)."""
+        with self._lock:
+            self._creation_failures[variable] = message
+
+    def creation_failures(self, names) -> dict[str, str]:
+        with self._lock:
+            return {n: self._creation_failures[n] for n in names if n in self._creation_failures}
 
     def withdraw(self, names) -> ShardMap:
         """Take variables just placed out of the map again (a server could not create them)."""

@@ -331,6 +331,8 @@ def test_push_async_error_surfaces_in_its_future(make_cluster):
         assert error.code() == grpc.StatusCode.NOT_FOUND
         assert good.result(timeout=JOIN_TIMEOUT_S) is None
         np.testing.assert_array_equal(ps.pull("w"), -np.ones(4, np.float32))
+        # Its error is the flush's too (or close's, without a flush).
+        expect_error(grpc.StatusCode.NOT_FOUND, ps.flush, timeout=JOIN_TIMEOUT_S)
 
 
 def test_flush_raises_error_of_push_async_that_already_finished(make_cluster):
@@ -342,6 +344,31 @@ def test_flush_raises_error_of_push_async_that_already_finished(make_cluster):
         with pytest.raises(RemoteError) as caught:
             ps.flush(timeout=JOIN_TIMEOUT_S)
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_close_raises_the_error_of_a_push_async_never_flushed(make_cluster):
+    """close() waits for the push, releases everything, then raises its error (a server's
+    refusal here) instead of dropping it; only once."""
+    cluster = make_cluster(servers=1)
+    ps = PSClient(cluster.coordinator_address)
+    try:
+        ps.declare("w", shape=(4,), optimizer=SGD1)
+        cluster.faults.fail_next("Push", 1, code=grpc.StatusCode.INVALID_ARGUMENT)
+        ps.push_async({"w": np.ones(4, np.float32)})
+        error = expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.close)
+        assert error.target == "ps-0"
+        ps.close()  # idempotent: nothing more to raise
+    finally:
+        ps.close()
+
+
+def test_a_failed_push_async_does_not_replace_the_exception_leaving_the_with_block(make_cluster):
+    cluster = make_cluster(servers=1)
+    with pytest.raises(KeyError):
+        with PSClient(cluster.coordinator_address) as ps:
+            ps.declare("w", shape=(4,), optimizer=SGD1)
+            ps.push_async({"nope": np.ones(4, np.float32)})
+            raise KeyError("the block's own error")
 
 
 # ---- bad input through the client -------------------------------------------------------------

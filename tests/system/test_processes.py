@@ -102,7 +102,8 @@ def spawn(tmp_path):
 
 
 def start_cluster(spawn, *coordinator_args: str) -> tuple[Process, str, Process, str]:
-    coordinator = spawn([*COORDINATOR, "--port", "0", "--grace", "1", *coordinator_args])
+    coordinator = spawn([*COORDINATOR, "--port", "0", "--grace", "1", "--recovery-grace", "0",
+                         *coordinator_args])
     coordinator_address = coordinator.wait_for_address()
     server = spawn([*SERVER, "--port", "0", "--coordinator", coordinator_address,
                     "--server-id", "s0", "--grace", "1", "--heartbeat-interval", "0.2"])

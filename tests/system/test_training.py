@@ -225,7 +225,7 @@ class Cluster:
                  coordinator_args: tuple[str, ...] = ()):
         self.launch = launch
         self.coordinator = launch(
-            "coordinator", "ps_server.coordinator.cli", "--port", "0",
+            "coordinator", "ps_server.coordinator.cli", "--port", "0", "--recovery-grace", "0",
             "--heartbeat-interval", str(HEARTBEAT_S),
             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), *coordinator_args, *job_args)
         self.address = self.coordinator.address()
@@ -488,18 +488,19 @@ def test_ps_ctl_status_shows_every_worker_and_server(cluster, launch):
 # ---- fencing -----------------------------------------------------------------------------
 
 def test_workers_fenced_mid_task_register_again_and_finish_the_job(cluster):
-    """The coordinator paused (SIGSTOP) for longer than the heartbeat timeout declares every
-    worker dead when it resumes; each worker is then in the middle of reporting a task and
-    is refused. Each must register again under a new incarnation and the job complete."""
+    """Each worker's incarnation is replaced while it holds a task (what a coordinator does
+    when it declares a worker dead, and what a duplicate process of the same worker id
+    does): the worker is refused when it reports the task, must register again under a new
+    incarnation, and the job must complete."""
     c = cluster(SLOW_JOB)
     workers = {w: c.start_worker(w) for w in ("w0", "w1")}
     status = wait_for(c.observer, lambda s: len(workers_of(s)) == 2 and all(
         w["leased_tasks"] for w in workers_of(s).values()), "both workers to hold a task",
         watch=(*c.daemons, *workers.values()))
     first = {w: row["incarnation"] for w, row in workers_of(status).items()}
-    c.coordinator.signal(signal.SIGSTOP)
-    time.sleep(HEARTBEAT_TIMEOUT_S + 1.5)  # the fault: a pause longer than the timeout
-    c.coordinator.signal(signal.SIGCONT)
+    with CoordinatorClient(c.address) as impostor:  # the fault: the incarnations are fenced
+        for worker_id in workers:
+            impostor.register_worker(worker_id)
     status = c.wait_until_over(watch=tuple(workers.values()))
     assert status["job"]["state"] == "done"
     rows = workers_of(status)
@@ -567,7 +568,8 @@ def test_coordinator_sigkilled_mid_job_loses_no_trained_value_and_the_job_finish
     patient = RetryPolicy(max_attempts=200, initial_backoff_s=0.05, max_backoff_s=0.25)
     job = ["--heartbeat-interval", str(HEARTBEAT_S), "--heartbeat-timeout",
            str(HEARTBEAT_TIMEOUT_S), "--epochs", "3", "--tasks-per-epoch", "2"]
-    coordinator = launch("coordinator", "ps_server.coordinator.cli", "--port", "0", *job)
+    coordinator = launch("coordinator", "ps_server.coordinator.cli", "--port", "0",
+                         "--recovery-grace", "0", *job)
     address = coordinator.address()
     servers = [launch(f"ps-{i}", "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}",
                       "--coordinator", address, "--heartbeat-interval", str(HEARTBEAT_S))
@@ -618,3 +620,24 @@ def test_coordinator_sigkilled_mid_job_loses_no_trained_value_and_the_job_finish
         observer.close()
     assert_exit_0([restarted, *servers, *workers], timeout=JOB_S)
 
+
+def test_a_server_that_never_comes_back_fails_the_job_naming_it(cluster):
+    c = cluster(SLOW_JOB, coordinator_args=("--server-timeout", "3"))
+    worker = c.start_worker("w0")
+    wait_for(c.observer, lambda s: s["job"]["steps"] > 0, "training to start",
+             watch=(*c.daemons, worker))
+    c.servers[1].signal(signal.SIGKILL)
+    lost = wait_for(c.observer, lambda s: any(v["id"] == "ps-1" and v["state"] != "alive"
+                                              for v in s["servers"]),
+                    "the coordinator to notice", watch=(c.coordinator,))
+    assert lost["job"]["state"] == "running"  # it waits --server-timeout first
+    status = wait_for(c.observer, job_over, "the job to fail", watch=(c.coordinator,))
+    assert status["job"]["state"] == "failed"
+    assert "ps-1" in status["job"]["failure"]
+    assert {s["id"]: s["state"] for s in status["servers"]}["ps-1"] == "lost"
+    c.finish()
+    assert c.coordinator.wait(EXIT_S) == 1
+    log = c.coordinator.stderr()
+    assert "lost contact with parameter server ps-1" in log
+    worker.wait(EXIT_S)
+    assert "Traceback" not in worker.stderr()

@@ -236,3 +236,79 @@ def test_a_shard_that_cannot_be_allocated_does_not_block_the_others():
     assert outcome.created == 1
     assert [s.variable for s, _ in outcome.failed] == ["huge"]
     assert store.epoch == 3 and [h.spec.name for h in store.held()] == ["w"]
+
+
+# ---- what a restart must not take for a loss, or wait for forever ---------------------------
+
+def test_no_new_variable_is_placed_during_the_recovery_grace(clock):
+    state = make_state(clock, generation=6, recovery_grace_s=3.0)
+    state.register_server("fresh", "h:9", 0)  # a new server, first to register
+    with pytest.raises(NotReady):
+        state.declare([var("a", 10)])  # an old server holding "a" may not have reported yet
+    clock.advance(3.0)
+    assert "a" in state.declare([var("a", 10)]).variables
+
+
+def test_a_declaration_cut_short_by_a_crash_is_no_data_loss(clock):
+    before = make_state(clock, generation=5)
+    before.register_server("s0", "h:0", 0)
+    before.register_server("s1", "h:1", 0)
+    m = before.declare([var("big", 10)])
+    holder = m.shards["big"][0].server_id
+    other = "s1" if holder == "s0" else "s0"
+    before.mark_synced(other, m.epoch)  # the coordinator died before the holder got the map
+    after = make_state(clock, generation=6)
+    # The holder lives on (it registered before): it never had "big", nothing is lost.
+    assert after.register_server(holder, "h", 0, ServerReport(generation=5)) == {}
+    assert after.register_server(other, "h", 0, report_of(before, other)) == {}
+    after.check_no_data_loss()
+
+
+def test_a_registration_racing_an_assignment_is_no_data_loss(clock):
+    state = make_state(clock, generation=5)
+    state.register_server("s0", "h:0", 0)
+    m = state.declare([var("a", 10)])
+    state.mark_synced("s0", m.epoch)
+    # A report built before the assignment, processed after its acknowledgement: the same
+    # process (it registered with this generation) cannot have lost anything.
+    assert state.register_server("s0", "h:0", 0, ServerReport(generation=5)) == {}
+    state.check_no_data_loss()
+
+
+def test_servers_holding_nothing_are_not_awaited_and_are_forgotten(clock):
+    before = make_state(clock, generation=5)
+    for sid in ("s0", "spare"):
+        before.register_server(sid, f"h:{sid}", 0)
+    before.declare([var("a", 10)])  # placed on one of them
+    holder = before.shard_map.shards["a"][0].server_id
+    spare = "spare" if holder == "s0" else "s0"
+    after = make_state(clock, generation=6)
+    after.register_server(holder, "h", 0, report_of(before, holder))
+    assert after.awaiting() == []  # the spare held nothing
+    assert "b" in after.declare([var("b", 3)]).variables
+    after.register_server(spare, "h:spare", 0)  # registers, holds nothing, then dies
+    for _ in range(4):
+        clock.advance((TIMEOUT + SERVER_TIMEOUT) / 3)
+        after.server_heartbeat(holder, after.shard_map.epoch, after.generation)
+        after.watch()
+    assert {m.server_id for m in after.servers()} == {holder}
+    assert spare not in after.shard_map.servers
+    after.check_no_data_loss()
+
+
+def test_creation_failures_are_kept_per_variable():
+    clock = FakeClock()
+    state = make_state(clock, generation=1)
+    state.register_server("s0", "h:0", 0)
+    _, added = state.declare_new([var("x", 4), var("y", 4)])
+    assert sorted(added) == ["x", "y"]
+    state.record_creation_failure("x", "server s0: out of memory")
+    assert state.creation_failures(["y"]) == {}
+    assert state.creation_failures(added) == {"x": "server s0: out of memory"}
+    assert state.declare_new([var("x", 4)]) == (state.shard_map, [])
+
+
+def test_incarnations_stay_above_a_reported_generation():
+    incarnations = Incarnations(5)
+    incarnations.raise_floor(9)
+    assert incarnations() > first_number(9)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
+import sys
+import threading
+from concurrent import futures
 
 import grpc
 import pytest
 
-from ps_common.cli import parse_bytes
+from ps_common.cli import parse_bytes, run_until_signal
 from ps_common.clock import FakeClock
 from ps_common.errors import InvalidArgument, NotReady, StaleEpoch, UnknownVariable
 from ps_common.rpc import READ_RETRY_CODES, RetryPolicy, call_with_retry
@@ -180,6 +184,67 @@ def test_non_rpc_exceptions_propagate_untouched():
         call_with_retry(call, target="s", policy=RetryPolicy(), clock=RecordingClock())
 
 
+def test_on_retry_sees_each_failure_before_its_wait_and_may_end_the_retries():
+    seen = []
+    call_with_retry(Failing(U, U), target="s", policy=RetryPolicy(), clock=RecordingClock(),
+                    on_retry=lambda attempt, error: seen.append((attempt, error.code())))
+    assert seen == [(1, U), (2, U)]
+
+    class GiveUp(Exception):
+        pass
+
+    def give_up(attempt, error):
+        raise GiveUp
+
+    call = Failing(U, U)
+    with pytest.raises(GiveUp):
+        call_with_retry(call, target="s", policy=RetryPolicy(), clock=RecordingClock(),
+                        on_retry=give_up)
+    assert call.calls == 1
+
+
+def test_a_set_stop_event_ends_the_retries_with_cancelled():
+    stop = threading.Event()
+    stop.set()
+    call = Failing()
+    with pytest.raises(RemoteError) as info:
+        call_with_retry(call, target="s0", policy=RetryPolicy(), stop=stop)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert info.value.target == "s0"
+    assert call.calls == 0  # no attempt starts once it is set
+
+
+def test_stop_ends_a_backoff_wait_at_once():
+    """An unlimited policy whose backoff is an hour: only the stop event ends the wait."""
+    stop, waiting = threading.Event(), threading.Event()
+    policy = RetryPolicy(max_attempts=None, initial_backoff_s=3600, max_backoff_s=3600)
+    call = Failing(*[U] * 10)
+    with futures.ThreadPoolExecutor(1, thread_name_prefix="test-retry") as pool:
+        result = pool.submit(call_with_retry, call, target="s", policy=policy, stop=stop,
+                             on_retry=lambda attempt, error: waiting.set())
+        assert waiting.wait(10)
+        stop.set()
+        with pytest.raises(RemoteError) as info:
+            result.result(timeout=10)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert call.calls == 1
+
+
+def test_unlimited_policy_retries_until_success_and_needs_a_stop_event():
+    policy = RetryPolicy(max_attempts=None, initial_backoff_s=0.0, max_backoff_s=0.0)
+    call = Failing(*[U] * 200)
+    assert call_with_retry(call, target="s", policy=policy, stop=threading.Event()) == "ok"
+    assert call.calls == 201
+    with pytest.raises(ValueError):
+        call_with_retry(Failing(), target="s", policy=policy)
+
+
+def test_backoff_of_very_late_attempts_stays_at_its_maximum():
+    policy = RetryPolicy(max_attempts=None, initial_backoff_s=0.05, max_backoff_s=2.0,
+                         jitter=0.0)
+    assert policy.backoff(5000, random.Random(0)) == 2.0
+
+
 # ---- status translation -------------------------------------------------------------------
 
 class AbortCalled(Exception):
@@ -296,3 +361,44 @@ def test_parse_bytes_works_as_an_argparse_type():
 
 def test_parse_bytes_decimal_sizes_are_exact():
     assert parse_bytes("1.005KB") == 1005
+
+
+# ---- running a daemon until a signal ----------------------------------------------------------
+
+def test_a_signal_nested_in_the_handler_of_another_does_not_deadlock(monkeypatch):
+    """A Python signal handler can run again while its first run is under way (a dying
+    multi-threaded parent sends PR_SET_PDEATHSIG once per thread): the second run must not
+    wait for a lock the first one holds. Simulated: the second run starts right after the
+    first run's first C call returns (e.g. a lock's acquire)."""
+    handlers = {}
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: handlers.setdefault(
+        signum, handler))
+    both_ran = threading.Event()
+
+    def deliver_twice():
+        handler = handlers[signal.SIGTERM]
+        nested = []
+
+        def profile(frame, event, arg):
+            if event == "c_return" and not nested:
+                nested.append(True)
+                handler(signal.SIGTERM, None)
+
+        sys.setprofile(profile)  # this thread only
+        try:
+            handler(signal.SIGTERM, None)
+        finally:
+            sys.setprofile(None)
+        both_ran.set()
+
+    stopped = []
+
+    def wait(timeout):
+        # daemon: on a handler that deadlocks, the test fails instead of hanging
+        threading.Thread(target=deliver_twice, name="test-signals", daemon=True).start()
+        assert both_ran.wait(10), "the nested handler deadlocked"
+        return False
+
+    assert run_until_signal(lambda: stopped.append(True), wait, lambda: None) == 0
+    assert stopped == [True]
+
