@@ -367,7 +367,9 @@ class PSClient:
             return False
         try:
             return self.refresh().epoch > used.epoch
-        except RemoteError:
+        except RemoteError as refresh_error:
+            if refresh_error.code() == grpc.StatusCode.DATA_LOSS:
+                raise  # the server is unreachable because its values are gone: say so
             return False
 
     @staticmethod

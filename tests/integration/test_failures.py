@@ -239,6 +239,9 @@ def test_restarted_empty_server_fails_with_data_loss_naming_it(make_cluster):
         with pytest.raises(RemoteError) as declared:
             ps.declare("other", shape=(2,))
         assert declared.value.code() == grpc.StatusCode.DATA_LOSS
+        with pytest.raises(RemoteError) as pulled:  # not UNAVAILABLE: the cause
+            ps.pull("w")
+        assert pulled.value.code() == grpc.StatusCode.DATA_LOSS
     with CoordinatorClient(cluster.coordinator_address) as coordinator:
         status = coordinator.status()
     (server,) = [s for s in status["servers"] if s["id"] == shard.server_id]
