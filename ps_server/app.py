@@ -43,7 +43,7 @@ class ServerConfig:
     heartbeat_interval_s: float = 1.0
     # Pull + Push streams served at once; more are refused with RESOURCE_EXHAUSTED. The
     # handler pool has ps_server.streams.CONTROL_PLANE_THREADS threads more.
-    max_streams: int = 64
+    max_streams: int = 128
     # A stream whose peer sends (push) or takes (pull) nothing for this long is cancelled.
     stream_idle_timeout_s: float = 30.0
 

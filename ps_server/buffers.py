@@ -41,3 +41,35 @@ class BufferPool:
     def cached_bytes(self) -> int:
         with self._lock:
             return self._cached
+
+
+class ByteBudget:
+    """Bytes lent out at once, at most `capacity`. Thread-safe.
+
+    Bounds the memory that pull snapshots take beside the values they copy: a request
+    waits (bounded) while others hold the budget. A request larger than the whole budget is
+    served when nothing else is out, so a shard of any size can still be pulled."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._out = 0
+        self._changed = threading.Condition()
+
+    def acquire(self, nbytes: int, timeout_s: float) -> bool:
+        """Take `nbytes`; False if they did not become free within `timeout_s`."""
+        with self._changed:
+            fits = lambda: self._out == 0 or self._out + nbytes <= self.capacity  # noqa: E731
+            if not self._changed.wait_for(fits, timeout=timeout_s):
+                return False
+            self._out += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._changed:
+            self._out -= nbytes
+            self._changed.notify_all()
+
+    @property
+    def out(self) -> int:
+        with self._changed:
+            return self._out

@@ -34,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-non-finite", action="store_true",
                    help="accept NaN/Inf in gradients instead of refusing the push")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
-    p.add_argument("--max-streams", type=int, default=64, metavar="N",
+    p.add_argument("--max-streams", type=int, default=128, metavar="N",
                    help="Pull and Push streams served at once; more are refused with "
-                   "RESOURCE_EXHAUSTED (default 64)")
+                   "RESOURCE_EXHAUSTED with a retry delay (default 128)")
     p.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="cancel a stream whose peer sends (push) or takes (pull) nothing for "
                    "this long, freeing its slot and thread (default 30)")

@@ -35,6 +35,15 @@ class _ClientRecord:
     retired: bool = False  # this incarnation is gone: only its fence matters
 
 
+@contextlib.contextmanager
+def _held(lock: threading.Lock):
+    """Release an already acquired lock on leaving the block."""
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 class PushLedger:
     """Thread-safe. Pushes of one client are applied one at a time; clients run in parallel."""
 
@@ -68,8 +77,9 @@ class PushLedger:
         """The coordinator says `incarnation` of `client_id` will never push again: forget its
         dedup state, keep a fence against it. A newer live incarnation is left alone.
 
-        Waits only for this client's push in progress (never holds the table's lock while
-        it does, so other clients' pushes go on)."""
+        Waits for this client's push in progress only; the record leaves the table while its
+        lock is held, so a push that waited for it finds the table as it is now (lock order:
+        a record's lock, then the table's; nothing takes them the other way round)."""
         with self._lock:
             record = self._clients.get(client_id)
         if record is not None:
@@ -77,6 +87,11 @@ class PushLedger:
                 if record.incarnation > incarnation:
                     return
                 record.retired = True
+                self._retire_locked(client_id, incarnation, record)
+        else:
+            self._retire_locked(client_id, incarnation, None)
+
+    def _retire_locked(self, client_id: str, incarnation: int, record) -> None:
         with self._lock:
             if record is not None and self._clients.get(client_id) is record:
                 del self._clients[client_id]
@@ -97,12 +112,15 @@ class PushLedger:
         The push counts as applied only if the with-block exits without an exception.
         Raises FencedIncarnation for an incarnation older than one already seen.
         """
-        record = self._record(client_id, incarnation)
-        with record.lock:
-            if record.retired:  # retired while we waited for its lock: look again
-                raise FencedIncarnation(
-                    f"client {client_id!r} incarnation {incarnation} was retired by the "
-                    "coordinator: register again")
+        while True:
+            record = self._record(client_id, incarnation)
+            record.lock.acquire()
+            if not record.retired:
+                break
+            # Retired (and taken out of the table) while we waited for its lock: look again,
+            # which finds the fence (refused) or, for a newer incarnation, a fresh record.
+            record.lock.release()
+        with _held(record.lock):
             if incarnation < record.incarnation:
                 raise FencedIncarnation(
                     f"client {client_id!r} pushed with incarnation {incarnation}, but "

@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ps_common.errors import InvalidArgument
+from ps_common.errors import InvalidArgument, Overloaded
 from ps_common.status import translate_errors
 from ps_common.tensors import (
     ByteReader, Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
@@ -15,13 +15,18 @@ from ps_common.tensors import (
 from ps_common.wire import shard_to_proto, shardmap_from_proto
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_server.buffers import BufferPool
+from ps_server.buffers import BufferPool, ByteBudget
 from ps_server.control import CoordinatorFence
 from ps_server.ledger import PushLedger
 from ps_server.pushes import PushHeader, PushReceiver
 from ps_server.store import HeldShard, ShardStore
 from ps_server.streams import StreamLimiter
 
+
+# Pull snapshots (copies of multi-chunk shards) held at once, and how long a pull waits for
+# room before it is told to come back (RESOURCE_EXHAUSTED with a retry delay).
+SNAPSHOT_BYTES = 1 << 30
+SNAPSHOT_WAIT_S = 5.0
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """Thread-safe: every handler may run concurrently with every other.
@@ -34,7 +39,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int,
                  fence: CoordinatorFence, streams: StreamLimiter, server_id: str = "",
-                 buffers: BufferPool | None = None):
+                 buffers: BufferPool | None = None, snapshot_bytes: int = SNAPSHOT_BYTES):
         self._store = store
         # Set by the app once the port is bound (a server's id defaults to its address).
         self.server_id = server_id
@@ -42,6 +47,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._chunk_bytes = chunk_bytes
         self._streams = streams
         self._buffers = buffers or BufferPool()
+        # Pull snapshots of multi-chunk shards: at most this many bytes of copies at once.
+        self._snapshots = ByteBudget(snapshot_bytes)
         self._pushes = PushReceiver(store, ledger, self._buffers)
 
     def Pull(self, request: pb.PullRequest, context):
@@ -51,7 +58,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             plan = self._store.plan_pull(
                 request.epoch, [(r.variable, r.index) for r in request.shards], wire)
             header = pb.PullHeader(tensors=[meta.to_proto() for _, meta in plan])
-            source = _PullSource(plan, self._chunk_bytes, self._buffers)
+            source = _PullSource(plan, self._chunk_bytes, self._buffers, self._snapshots)
             try:
                 for i, piece in enumerate(source.pieces):
                     message = encode_chunk(header.SerializeToString() if i == 0 else None, piece)
@@ -108,8 +115,9 @@ class _PullSource:
     """
 
     def __init__(self, plan: list[tuple[HeldShard, TensorMeta]], chunk_bytes: int,
-                 pool: BufferPool):
+                 pool: BufferPool, budget: ByteBudget):
         self._pool = pool
+        self._budget = budget
         self._in_use: dict[int, np.ndarray] = {}  # id -> buffer
         self._finished: list[np.ndarray] = []
         readers: list[ByteReader] = []
@@ -128,7 +136,15 @@ class _PullSource:
 
         def read(offset: int, length: int):
             if not current:
-                buffer = self._pool.acquire(held.values.nbytes)
+                if not self._budget.acquire(held.values.nbytes, SNAPSHOT_WAIT_S):
+                    raise Overloaded(
+                        f"pull snapshots already hold {self._budget.capacity} bytes on this "
+                        f"server; {held.describe()} waits its turn: retry", retry_after_s=0.2)
+                try:
+                    buffer = self._pool.acquire(held.values.nbytes)
+                except BaseException:
+                    self._budget.release(held.values.nbytes)
+                    raise
                 self._in_use[id(buffer)] = buffer
                 copy = buffer.view(held.values.dtype).reshape(held.values.shape)
                 with held.lock:
@@ -144,14 +160,19 @@ class _PullSource:
     def release_finished(self) -> None:
         for buffer in self._finished:
             del self._in_use[id(buffer)]
-            self._pool.release(buffer)
+            self._give_back(buffer)
         self._finished.clear()
 
     def close(self) -> None:
         for buffer in self._in_use.values():
-            self._pool.release(buffer)
+            self._give_back(buffer)
         self._in_use.clear()
         self._finished.clear()
+
+
+    def _give_back(self, buffer: np.ndarray) -> None:
+        self._pool.release(buffer)
+        self._budget.release(buffer.nbytes)
 
 
 def _data_only(chunk: Chunk):

@@ -660,6 +660,8 @@ class PSClient:
         patient = policy.max_attempts is None
 
         def on_retry(attempts: int, error: RemoteError) -> None:
+            if error.retry_after_s is not None:
+                return  # busy, not away: the server asked us to come back shortly
             self._note_unreachable(server_id, address, error, patient)
             if patient and self._server_moved(shard_map, server_id):
                 raise error
@@ -701,7 +703,10 @@ class PSClient:
         try:
             reply = self._coordinator.GetShardMap(coordinator_pb2.GetShardMapRequest(),
                                                   timeout=MOVED_CHECK_TIMEOUT_S)
-        except grpc.RpcError:
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.DATA_LOSS:
+                # The server is away because its values are gone: waiting cannot help.
+                raise RemoteError.from_rpc_error(error, target=self.coordinator) from None
             return False
         current = self._adopt(shardmap_from_proto(reply))
         return current.servers.get(server_id) != used.servers[server_id]

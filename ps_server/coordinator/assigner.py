@@ -77,12 +77,14 @@ class Assigner:
                 reply = self._stub(address).AssignShards(request, timeout=self._timeout)
             except grpc.RpcError as error:
                 raise RemoteError.from_rpc_error(error, target=server_id) from None
-            self._state.mark_synced(server_id, shard_map.epoch)
             failures = [CreationFailure(server_id, shard_from_proto(f.shard), f.message)
                         for f in reply.failed]
-            for failure in failures:  # whichever declaration placed it looks it up
+            # Recorded before the acknowledgement: a declaration that then finds this server
+            # synced also finds the failure (whichever declaration placed it looks it up).
+            for failure in failures:
                 self._state.record_creation_failure(
                     failure.shard.variable, f"server {server_id}: {failure.message}")
+            self._state.mark_synced(server_id, shard_map.epoch)
             return failures
 
     def sync(self, server_ids: set[str] | None = None,

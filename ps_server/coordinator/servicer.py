@@ -88,11 +88,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             holders, placed_at = self._state.holders([s.name for s in specs])
             # A map with new variables goes to every live server before the call returns.
             self._assigner.sync(None if added else holders, placed_at)
-            failed = self._state.creation_failures(added)
+            failed = self._state.creation_failures([s.name for s in specs])
             if failed:
-                # A server could not allocate what placement thought fits: take this call's
-                # variables out of the map again, so nothing waits on shards that do not exist.
-                self._state.withdraw(added)
+                # A server could not allocate what placement thought fits: take the variables
+                # out of the map again (this call's, and any that failed in an earlier try of
+                # it), so that nothing waits on shards that do not exist.
+                self._state.withdraw(set(added) | set(failed))
                 self._assigner.sync_in_background()
                 raise ResourceExhausted("; ".join(failed.values())
                                         + "; nothing was declared: add servers or give them "

@@ -390,6 +390,9 @@ class CoordinatorState:
         for table in (self._servers, self._acked, self._reported_held, self._down_since):
             table.pop(server_id, None)
         self._fresh.discard(server_id)
+        self._frozen.discard(server_id)
+        self._loss_checked = {(sid, shard) for sid, shard in self._loss_checked
+                              if sid != server_id}
         if server_id in self._map.servers:
             self._map = replace(self._map, epoch=self._next_epoch(), servers={
                 k: v for k, v in self._map.servers.items() if k != server_id})

@@ -30,7 +30,7 @@ from ps_worker import PSClient, RemoteError, RetryPolicy
 SGD1 = {"name": "sgd", "lr": 1.0}
 ZEROS = {"name": "constant", "value": 0.0}
 WAIT_S = 30.0  # bound of every wait; never reached when the code is right
-SHORT_IDLE_S = 0.3  # --stream-idle-timeout of the servers whose streams are meant to be cut
+SHORT_IDLE_S = 1.0  # --stream-idle-timeout of the servers whose streams are meant to be cut
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
@@ -392,7 +392,7 @@ def test_bad_stream_limits_are_refused(fields):
 def test_stream_limit_flags():
     parser = build_parser()
     config = config_from_args(parser, parser.parse_args([]))
-    assert (config.max_streams, config.stream_idle_timeout_s) == (64, 30.0)
+    assert (config.max_streams, config.stream_idle_timeout_s) == (128, 30.0)
     config = config_from_args(parser, parser.parse_args(
         ["--max-streams", "8", "--stream-idle-timeout", "2.5"]))
     assert (config.max_streams, config.stream_idle_timeout_s) == (8, 2.5)

@@ -260,3 +260,34 @@ def test_concurrent_distinct_sequences_each_applied_once():
 
     _run_threads(worker, n)
     assert sorted(applied) == list(range(1, per + 1))
+
+
+def test_a_newer_incarnation_waiting_on_a_retiring_one_is_not_fenced():
+    # Regression: retire() marked the record while a newer incarnation's push waited for
+    # its lock, and that push was refused as fenced.
+    ledger = PushLedger()
+    attempt(ledger, "w", 1, 1)
+    in_push, retire_started = threading.Event(), threading.Event()
+    outcome = []
+
+    def old_push():
+        with ledger.exactly_once("w", 1, 2, 0):
+            in_push.set()
+            retire_started.wait(10)
+
+    def newer_push():
+        outcome.append(attempt(ledger, "w", 2, 1))
+
+    old = threading.Thread(target=old_push, name="old-push")
+    old.start()
+    assert in_push.wait(10)
+    retiring = threading.Thread(target=ledger.retire, args=("w", 1), name="retire")
+    retiring.start()
+    newer = threading.Thread(target=newer_push, name="newer-push")
+    newer.start()
+    retire_started.set()
+    for t in (old, retiring, newer):
+        t.join(10)
+    assert outcome == [False]
+    with pytest.raises(FencedIncarnation):
+        attempt(ledger, "w", 1, 3)
