@@ -14,6 +14,7 @@ error).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -156,6 +157,7 @@ class PSClient:
         self._failed: list[futures.Future] = []  # finished push_async calls not yet flushed
         self._closed = False
         self._interrupted = threading.Event()  # see interrupt()
+        self._wire_calls: set = set()  # data-path calls in progress (interrupt cancels them)
         self._unreachable: set[str] = set()  # servers whose outage has been logged
 
     # ---- identity ----------------------------------------------------------------------
@@ -195,11 +197,28 @@ class PSClient:
 
     def interrupt(self) -> None:
         """End every wait of this client, now and from now on: a call that is retrying (e.g.
-        for a server that is away) and every later call raise RemoteError CANCELLED at once;
-        an attempt already on the wire runs on, bounded by its deadline. Pushes cut short
-        this way may or may not have been applied. For a worker told to stop (SIGTERM, or the
-        job is over); `close()` is still to be called. Irreversible; thread-safe."""
+        for a server that is away), a pull or push on the wire (cancelled), and every later
+        call raise RemoteError CANCELLED at once. Pushes cut short this way may or may not
+        have been applied. For a worker told to stop (SIGTERM, or the job is over); `close()`
+        is still to be called. Irreversible; thread-safe."""
         self._interrupted.set()
+        with self._lock:
+            calls = list(self._wire_calls)
+        for call in calls:
+            call.cancel()
+
+    @contextlib.contextmanager
+    def _on_the_wire(self, call):
+        """Track a data-path call so that `interrupt()` can cancel it."""
+        with self._lock:
+            self._wire_calls.add(call)
+        try:
+            if self._interrupted.is_set():  # interrupted between the check and the call
+                call.cancel()
+            yield call
+        finally:
+            with self._lock:
+                self._wire_calls.discard(call)
 
     def close(self) -> None:
         """Wait for calls in flight, release threads and channels, then raise the first
@@ -407,8 +426,9 @@ class PSClient:
 
         def attempt():
             assembler = StreamAssembler(destinations, what=f"pull from {server_id}")
-            for chunk in stub.Pull(request, timeout=self._deadline(nbytes)):
-                assembler.write(chunk.data)
+            with self._on_the_wire(stub.Pull(request, timeout=self._deadline(nbytes))) as call:
+                for chunk in call:
+                    assembler.write(chunk.data)
             assembler.finish()
 
         self._call_server(attempt, shard_map, server_id, self._read_retry)
@@ -590,7 +610,13 @@ class PSClient:
                 for i, piece in enumerate(iter_chunks(sizes, readers, self._chunk_bytes)):
                     yield encode_chunk(first_header if i == 0 else None, piece)
 
-            return stub.Push(chunks(), timeout=self._deadline(sum(sizes)))
+            with self._on_the_wire(stub.Push.future(chunks(),
+                                                    timeout=self._deadline(sum(sizes)))) as call:
+                try:
+                    return call.result()
+                except grpc.FutureCancelledError:  # interrupt(): a future says it this way
+                    raise _local_error(grpc.StatusCode.CANCELLED,
+                                       f"push to {server_id} interrupted") from None
 
         # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
         reply = self._call_server(attempt, shard_map, server_id, self._retry)

@@ -119,3 +119,33 @@ def test_a_client_without_an_attempt_limit_finds_its_server_at_a_new_address(mak
             assert ps.shard_map.servers["ps-0"] == moved.address
         finally:
             moved.stop(grace_s=0.2)
+
+
+@pytest.mark.parametrize("method", ["Pull", "Push"])
+def test_interrupt_cancels_a_call_a_hung_server_holds(make_cluster, method):
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), optimizer={"name": "sgd", "lr": 1.0})
+        hung = threading.Event()
+        cluster.faults.hold_next(method, hung)  # the server takes the call and sits on it
+        outcome = []
+
+        def call():
+            try:
+                ps.pull("w") if method == "Pull" else ps.push({"w": np.ones(4, np.float32)})
+            except RemoteError as error:
+                outcome.append(error.code())
+
+        caller = threading.Thread(target=call, name=f"hung-{method}")
+        caller.start()
+        try:
+            deadline = threading.Event()
+            while cluster.faults.calls.get(method, 0) < 1 and not deadline.wait(0.01):
+                pass
+            ps.interrupt()
+            caller.join(30)
+            assert not caller.is_alive() and not hung.is_set()  # ended while still held
+        finally:
+            hung.set()
+            caller.join(30)
+        assert outcome == [grpc.StatusCode.CANCELLED]
