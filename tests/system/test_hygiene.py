@@ -86,7 +86,7 @@ def live_children(parent: int) -> list[Pid]:
 # ---- processes we start ---------------------------------------------------------------------
 
 class Proc:
-    """`python -m module args`, its stdout and stderr in files, in a session of its own."""
+    """`python -m module args`, its stdout and stderr in files, detached by setsid."""
 
     def __init__(self, name: str, module: str, args: list[str], directory: Path):
         self.name = name
