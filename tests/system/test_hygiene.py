@@ -220,29 +220,18 @@ def server_state(client: CoordinatorClient, server_id: str) -> str:
     return {s["id"]: s["state"] for s in client.status()["servers"]}[server_id]
 
 
-def test_worker_waiting_for_a_killed_server_exits_cleanly_on_sigterm(launch):
-    """The server is SIGKILLed mid-job and stays away: the worker waits for it (no exit of
-    its own), and SIGTERM ends the wait at once: a clean exit, well within its grace."""
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_worker_waiting_for_a_lost_server_exits_cleanly_on_sigterm(launch, fault):
+    """The server is SIGKILLed (gone) or SIGSTOPped (hung: a pull on the wire would wait for
+    its deadline) mid-job and stays away: the worker waits for it (no exit of its own), and
+    SIGTERM interrupts its client, retries and calls on the wire alike: a clean exit, well
+    within its grace."""
     coordinator, server, worker, client = start_training(launch)
     try:
-        server.signal(signal.SIGKILL)
-        assert server.wait(EXIT_S) == -signal.SIGKILL
+        server.signal(fault)
+        if fault == signal.SIGKILL:
+            assert server.wait(EXIT_S) == -signal.SIGKILL
         # By the time the coordinator notices, the worker (pulling every step) has too.
-        wait_until(lambda: server_state(client, "ps-0") != "alive", "the server's lease to end",
-                   READY_S, watch=(coordinator,))
-    finally:
-        client.close()
-    assert worker.returncode is None, worker.logs()
-    worker.signal(signal.SIGTERM)
-    assert worker.wait(WORKER_EXIT_S) == 0, worker.logs()
-
-
-def test_worker_waiting_for_a_hung_server_exits_on_sigterm(launch):
-    """The server is paused (SIGSTOP): the pull on the wire would wait for its deadline.
-    SIGTERM interrupts the worker's client, which cancels that call: a clean exit."""
-    coordinator, server, worker, client = start_training(launch)
-    try:
-        server.signal(signal.SIGSTOP)
         wait_until(lambda: server_state(client, "ps-0") != "alive", "the server's lease to end",
                    READY_S, watch=(coordinator,))
     finally:
