@@ -333,6 +333,9 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
                     return summary
                 raise ClusterError(f"the coordinator exited with {coordinator.returncode} "
                                    f"before the job ended; see {coordinator.log_path}")
+            # Taken before the status, never after: a status read just before this process
+            # was descheduled must not meet workers that have since finished the job and exited.
+            workers_gone = bool(workers) and all(w.returncode is not None for w in workers)
             try:
                 status = client.status()
             except (CoordinatorUnreachable, RemoteError):
@@ -347,7 +350,7 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
                 while coordinator.returncode is None:
                     time.sleep(0.5)
                 continue
-            if state == "running" and workers and all(w.returncode is not None for w in workers):
+            if state == "running" and workers_gone:
                 raise ClusterError("every worker exited before the job ended; see "
                                    f"{workers[0].log_path}")
             time.sleep(0.25)
