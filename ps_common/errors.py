@@ -63,6 +63,13 @@ class DataLost(PSError):
     code = "DATA_LOSS"
 
 
+class CheckpointFailed(PSError):
+    """A checkpoint cannot be written or read (no checkpoint directory, disk full, no
+    permission, a corrupt file): the message names the path and the cause."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class StaleEpoch(PSError):
     """The request used an outdated shard map: refresh it from the coordinator and retry."""
 

@@ -46,6 +46,8 @@ class JobSpec:
     mode: str = "async"
     seed: int = 0
     tasks_per_epoch: int = 8
+    # Where the coordinator keeps checkpoints (its --checkpoint-dir wins); "" for none.
+    checkpoint_dir: str = ""
 
     def __post_init__(self):
         def need(ok: bool, field: str, want: str):
@@ -73,6 +75,7 @@ class JobSpec:
         need(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an integer >= 0")
         need(isinstance(self.tasks_per_epoch, int) and self.tasks_per_epoch >= 1,
              "tasks_per_epoch", "must be an integer >= 1")
+        need(isinstance(self.checkpoint_dir, str), "checkpoint_dir", "must be a path")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "job") -> "JobSpec":

@@ -161,6 +161,33 @@ class PushLedger:
             return incarnation == record.incarnation and (
                 sequence <= record.floor or sequence in record.applied)
 
+    def export(self) -> dict:
+        """The whole ledger as plain values (for a checkpoint). The caller makes sure no push
+        is between applying its values and recording itself here (see UpdateGate)."""
+        with self._lock:
+            return {"clients": {cid: [r.incarnation, r.floor, sorted(r.applied)]
+                                for cid, r in self._clients.items() if not r.retired},
+                    "fences": dict(self._fences)}
+
+    def restore(self, state: dict) -> None:
+        """Adopt a checkpointed ledger, before any push reaches the shards restored with it.
+        What this ledger learned since it started (nothing, on a server that restarts) is
+        kept where it is newer."""
+        with self._lock:
+            for cid, incarnation in state.get("fences", {}).items():
+                if incarnation > self._fences.get(cid, 0) and cid not in self._clients:
+                    self._fences[cid] = incarnation
+            for cid, (incarnation, floor, applied) in state.get("clients", {}).items():
+                known = self._clients.get(cid)
+                if known is not None and known.incarnation >= incarnation:
+                    continue
+                if self._fences.get(cid, 0) >= incarnation:
+                    continue
+                self._fences.pop(cid, None)
+                self._clients[cid] = _ClientRecord(incarnation, floor, set(applied))
+            while len(self._fences) > self._max_clients:
+                self._fences.popitem(last=False)
+
     def pending(self, client_id: str) -> int:
         """How many sequences above the floor are remembered for `client_id` (for tests)."""
         with self._lock:

@@ -63,8 +63,11 @@ class PushReceiver:
             grads = [_decode(buf, meta, held.spec.dtype)
                      for buf, meta, held in zip(buffers, header.metas, targets)]
             self._store.check_gradients(targets, grads)
-            with self._ledger.exactly_once(header.client_id, header.incarnation,
-                                           header.sequence, header.acked_through) as duplicate:
+            # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
+            # checkpoint with its ledger entry, or not at all.
+            with self._store.gate.shared(), self._ledger.exactly_once(
+                    header.client_id, header.incarnation, header.sequence,
+                    header.acked_through) as duplicate:
                 if not duplicate:
                     self._store.apply(targets, grads)
             return duplicate

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ps_common.errors import InvalidArgument, Overloaded
+from ps_common.checkpoints import CheckpointError
+from ps_common.errors import CheckpointFailed, InvalidArgument, Overloaded
 from ps_common.status import translate_errors
 from ps_common.tensors import (
     ByteReader, Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
@@ -18,10 +22,14 @@ from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.buffers import BufferPool, ByteBudget
 from ps_server.control import CoordinatorFence
 from ps_server.ledger import PushLedger
+from ps_server import snapshots
 from ps_server.pushes import PushHeader, PushReceiver
+from ps_server.restore import ShardRestore
 from ps_server.store import HeldShard, ShardStore
 from ps_server.streams import StreamLimiter
 
+
+log = logging.getLogger(__name__)
 
 # Pull snapshots (copies of multi-chunk shards) held at once, and how long a pull waits for
 # room before it is told to come back (RESOURCE_EXHAUSTED with a retry delay).
@@ -39,8 +47,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int,
                  fence: CoordinatorFence, streams: StreamLimiter, server_id: str = "",
-                 buffers: BufferPool | None = None, snapshot_bytes: int = SNAPSHOT_BYTES):
+                 buffers: BufferPool | None = None, snapshot_bytes: int = SNAPSHOT_BYTES,
+                 checkpoint_memory_bytes: int = snapshots.DEFAULT_MEMORY_BYTES):
         self._store = store
+        self._ledger = ledger
+        self._checkpoint_memory = checkpoint_memory_bytes
         # Set by the app once the port is bound (a server's id defaults to its address).
         self.server_id = server_id
         self._fence = fence
@@ -93,13 +104,58 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         with translate_errors(context, "AssignShards"):
             self._fence.check(request.generation, request.control_token)
             shard_map = shardmap_from_proto(request.map)
+            restore = self._restore_plan(request)
             outcome = self._store.assign(
-                shard_map.epoch, shard_map.variables, shard_map.shards_on(self.server_id))
+                shard_map.epoch, shard_map.variables, shard_map.shards_on(self.server_id),
+                restore)
             self._fence.remember_map(shard_map)
+            if restore is not None and restore.restored:
+                step = restore.source().manifest.step
+                for held in restore.restored:
+                    log.info("restored %s from checkpoint %s (step %d, %d update(s))",
+                             held.describe(), restore.checkpoint, step, held.updates)
             return pb.AssignShardsReply(
                 shards_created=outcome.created,
                 failed=[pb.ShardFailure(shard=shard_to_proto(shard), message=message)
                         for shard, message in outcome.failed])
+
+    def _restore_plan(self, request: pb.AssignShardsRequest) -> ShardRestore | None:
+        if not request.HasField("restore"):
+            return None
+        restore = ShardRestore(Path(request.restore.checkpoint),
+                               {(r.variable, r.index) for r in request.restore.shards})
+        if request.restore.ledger:
+            # Before the shards exist: no push can reach them without their ledger.
+            try:
+                state = restore.ledger(self.server_id)
+            except CheckpointError as error:
+                raise CheckpointFailed(f"cannot restore the exactly-once ledger of server "
+                                       f"{self.server_id}: {error}") from error
+            if state is not None:
+                self._ledger.restore(state)
+                log.info("restored the exactly-once ledger (%d client(s)) from checkpoint %s",
+                         len(state.get("clients", {})), restore.checkpoint)
+        return restore
+
+    def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context):
+        with translate_errors(context, "SaveCheckpoint"):
+            self._fence.check(request.generation, request.control_token)
+            directory = Path(request.directory)
+            try:
+                outcome = snapshots.save(self._store, self._ledger, directory, self.server_id,
+                                         request.epoch, self._checkpoint_memory)
+            except OSError as error:
+                raise CheckpointFailed(
+                    f"server {self.server_id} cannot write its checkpoint files in "
+                    f"{directory}: {error.strerror or error} (every server needs write access "
+                    "to the coordinator's --checkpoint-dir)") from error
+            return pb.SaveCheckpointReply(
+                files=[pb.SavedFile(name=f.name, bytes=f.bytes, sha256=f.sha256)
+                       for f in outcome.files],
+                shards=[pb.SavedShard(shard=pb.ShardRef(variable=s.variable, index=s.index),
+                                      updates=s.updates, optimizer_steps=s.optimizer_steps,
+                                      file=s.file) for s in outcome.shards],
+                pushes_recorded=outcome.pushes_recorded)
 
 
 class _PullSource:
@@ -214,6 +270,9 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
         "AssignShards": grpc.unary_unary_rpc_method_handler(
             servicer.AssignShards, request_deserializer=pb.AssignShardsRequest.FromString,
             response_serializer=pb.AssignShardsReply.SerializeToString),
+        "SaveCheckpoint": grpc.unary_unary_rpc_method_handler(
+            servicer.SaveCheckpoint, request_deserializer=pb.SaveCheckpointRequest.FromString,
+            response_serializer=pb.SaveCheckpointReply.SerializeToString),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("ps.v1.ParameterServer", handlers),))

@@ -19,6 +19,7 @@ from ps_common.shardmap import Shard, VariableSpec
 from ps_common.tensors import TensorMeta, check_narrowing
 from ps_server.initializers import initialize_rows, validate_initializer
 from ps_server.optimizers import ShardOptimizerState, apply_update, make_state, resolve_knobs
+from ps_server.snapshots import UpdateGate
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,19 @@ class ShardStore:
         self._epoch = 0
         self._lock = threading.Lock()
         self._assign_lock = threading.Lock()
+        # Pushes hold it shared from applying to recording in the ledger; a checkpoint's cut
+        # holds it exclusive (snapshots.py).
+        self.gate = UpdateGate()
+        self._capture = None  # the checkpoint being written, if any
+
+    def begin_capture(self, capture) -> None:
+        with self._lock:
+            self._capture = capture
+
+    def end_capture(self, capture) -> None:
+        with self._lock:
+            if self._capture is capture:
+                self._capture = None
 
     # ---- placement ---------------------------------------------------------------------
 
@@ -71,8 +85,8 @@ class ShardStore:
         with self._lock:
             return self._epoch
 
-    def assign(self, epoch: int, specs: dict[str, VariableSpec],
-               shards: list[Shard]) -> AssignOutcome:
+    def assign(self, epoch: int, specs: dict[str, VariableSpec], shards: list[Shard],
+               restore=None) -> AssignOutcome:
         """Hold exactly `shards` from `epoch` on: create missing ones, drop unlisted ones.
 
         Idempotent, and serialized: a repeated delivery of the same assignment (the
@@ -85,6 +99,9 @@ class ShardStore:
         TrainedShardConflict. A shard that cannot be created (its memory runs out) is
         reported in the outcome and never blocks the others: the rest are created and the
         epoch is adopted.
+
+        `restore` (a ShardRestore) creates the shards it names from a checkpoint instead of
+        their initializers; a shard the server holds already is kept as it is.
         """
         for shard in shards:
             spec = specs.get(shard.variable)
@@ -121,6 +138,13 @@ class ShardStore:
                 # Initialization of a large shard takes seconds: outside the store lock, so
                 # pulls and pushes of other shards go on meanwhile.
                 try:
+                    if restore is not None and key in restore.shards:
+                        held = restore.create(spec, shard)
+                        if held is None:  # the checkpoint could not give it (logged)
+                            failed.append((shard, restore.failure(shard)))
+                            continue
+                        created[key] = held
+                        continue
                     values = initialize_rows(spec, shard.row_start, shard.row_stop)
                     state = make_state(spec, values.shape)
                 except MemoryError:
@@ -229,12 +253,18 @@ class ShardStore:
     def apply(self, targets: list[HeldShard], grads: list[np.ndarray]) -> None:
         """Apply validated gradients, all shards or none: locks are taken in key order."""
         ordered = sorted(zip(targets, grads), key=lambda pair: pair[0].key)
-        for held, _ in ordered:
-            held.lock.acquire()
-        try:
-            for held, grad in ordered:
-                apply_update(held.spec, held.knobs, held.values, held.state, grad)
-                held.updates += 1
-        finally:
+        while True:
             for held, _ in ordered:
-                held.lock.release()
+                held.lock.acquire()
+            try:
+                capture = self._capture
+                blocked = capture.preserve([h for h, _ in ordered]) if capture else None
+                if blocked is None:
+                    for held, grad in ordered:
+                        apply_update(held.spec, held.knobs, held.values, held.state, grad)
+                        held.updates += 1
+                    return
+            finally:
+                for held, _ in ordered:
+                    held.lock.release()
+            capture.wait_written(blocked)  # the checkpoint's copies are at their bound

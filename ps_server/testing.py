@@ -17,11 +17,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 
 from ps_server.app import ParameterServer, ServerConfig
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
+from ps_server.coordinator.checkpointer import Interval
 
 
 class FaultInjector(grpc.ServerInterceptor):
@@ -107,6 +109,9 @@ class InProcessCluster:
     checkpoints: the coordinator finds its trained shards lost (DATA_LOSS), or re-creates
     them from their initializers with `reinitialize_lost_shards=True`.
     `restart_coordinator()` replaces the coordinator with a fresh one on the same port.
+    With `checkpoint_dir`, the coordinator takes checkpoints there (`checkpoint()` takes one
+    now; periodic ones every `checkpoint_every`, hourly by default) and a restarted server
+    gets its shards back from the newest one.
     """
 
     def __init__(self, servers: int = 2, *, split_threshold_bytes: int = 64 * 1024 * 1024,
@@ -114,14 +119,18 @@ class InProcessCluster:
                  memory_budget_bytes: int | None = None, heartbeat_interval_s: float = 0.2,
                  ready_timeout_s: float = 10.0, reinitialize_lost_shards: bool = False,
                  server_timeout_s: float = 60.0, max_streams: int | None = None,
-                 stream_idle_timeout_s: float | None = None):
+                 stream_idle_timeout_s: float | None = None,
+                 checkpoint_dir: str | Path | None = None,
+                 checkpoint_every: Interval = Interval(seconds=3600.0)):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_interval_s * 10,
             split_threshold_bytes=split_threshold_bytes, grace_s=1.0,
             reinitialize_lost_shards=reinitialize_lost_shards, server_timeout_s=server_timeout_s,
-            recovery_grace_s=0.0)  # a new cluster: nothing to wait for
+            recovery_grace_s=0.0,  # a new cluster: nothing to wait for
+            checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None,
+            checkpoint_every=checkpoint_every)
         self._server_kwargs = dict(
             heartbeat_interval_s=heartbeat_interval_s, allow_non_finite=allow_non_finite,
             memory_budget_bytes=memory_budget_bytes, grace_s=1.0)
@@ -177,6 +186,10 @@ class InProcessCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server(s) {behind} did not reach epoch {epoch} in time")
             time.sleep(0.01)
+
+    def checkpoint(self):
+        """Take a checkpoint now (the cluster needs a checkpoint_dir); returns its Manifest."""
+        return self.coordinator.checkpointer.take("requested")
 
     def restart_coordinator(self) -> Coordinator:
         """Stop the coordinator and start a fresh one (nothing carried over) on the same

@@ -188,4 +188,17 @@ class CoordinatorClient:
             "shard_map_epoch": s.shard_map_epoch,
             "generation": s.generation,
             "awaiting_servers": list(s.awaiting_servers),
+            "checkpoint_dir": s.checkpoint_dir or None,
+            "last_checkpoint": (_checkpoint(s.last_checkpoint)
+                                if s.HasField("last_checkpoint") else None),
+            "shards_restored": s.shards_restored,
         }
+
+    def checkpoint(self) -> dict:
+        """Take a checkpoint now; returns once it is complete: {id, step, path, ...}."""
+        return _checkpoint(self._call("Checkpoint", pb.CheckpointRequest()))
+
+
+def _checkpoint(info) -> dict:
+    return {"id": info.id, "step": info.step, "path": info.path,
+            "created_unix_s": round(info.created_unix_s, 3), "bytes": info.bytes}

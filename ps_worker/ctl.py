@@ -1,6 +1,7 @@
 """`ps-ctl`: look at a running cluster.
 
     ps-ctl --coordinator HOST:PORT status [--json]
+    ps-ctl --coordinator HOST:PORT checkpoint      # prints {"id": ..., "step": ...} as JSON
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def render(status: dict) -> str:
         if s.get("state_losses"):
             lines.append(f"    came back without its shards {s['state_losses']} time(s); last lost "
                          f"{', '.join(s['lost_shards'])}: {s['loss_action']}")
+    last = status.get("last_checkpoint")
+    if status.get("checkpoint_dir"):
+        lines.append(f"checkpoints in {status['checkpoint_dir']}: " + (
+            f"last {last['id']} at step {last['step']} ({_bytes(last['bytes'])})" if last
+            else "none yet") + (f"; {status['shards_restored']} shard(s) restored from one"
+                                if status.get("shards_restored") else ""))
     if status.get("awaiting_servers"):
         lines.append(f"awaiting servers (held shards before the coordinator restarted): "
                      f"{', '.join(status['awaiting_servers'])}")
@@ -70,14 +77,25 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
     status.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
                         help="as the --timeout before the command")
+    checkpoint = sub.add_parser("checkpoint", help="take a checkpoint now; prints its id "
+                                "and step as JSON once it is complete")
+    checkpoint.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
+                            metavar="SECONDS", help="as the --timeout before the command "
+                            "(default for checkpoint: 600)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    given = argv if argv is not None else sys.argv[1:]
+    if args.command == "checkpoint" and not any(a.startswith("--timeout") for a in given):
+        args.timeout = 600.0  # writing a large model takes a while
     try:
         with CoordinatorClient(args.coordinator, give_up_after_s=args.timeout,
                                rpc_timeout_s=args.timeout) as coordinator:
+            if args.command == "checkpoint":
+                print(json.dumps(coordinator.checkpoint()))
+                return 0
             status = coordinator.status()
     except CoordinatorUnreachable as error:
         print(f"ps-ctl: --coordinator {args.coordinator}: {error}", file=sys.stderr)

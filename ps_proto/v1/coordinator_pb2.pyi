@@ -838,9 +838,16 @@ class ClusterStatus(_message.Message):
     SHARD_MAP_EPOCH_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     AWAITING_SERVERS_FIELD_NUMBER: _builtins.int
+    LAST_CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
+    SHARDS_RESTORED_FIELD_NUMBER: _builtins.int
     shard_map_epoch: _builtins.int
     generation: _builtins.int
     """The coordinator's generation (higher after every coordinator restart)."""
+    checkpoint_dir: _builtins.str
+    """Where checkpoints go ("" when the coordinator has no checkpoint directory)."""
+    shards_restored: _builtins.int
+    """Shards re-created from a checkpoint after their server came back empty or was lost."""
     @_builtins.property
     def job(self) -> Global___JobStatus: ...
     @_builtins.property
@@ -853,6 +860,10 @@ class ClusterStatus(_message.Message):
         the shard map it recovered); declarations of new variables wait for them.
         """
 
+    @_builtins.property
+    def last_checkpoint(self) -> Global___CheckpointInfo:
+        """The newest complete checkpoint (absent when none was taken or restored)."""
+
     def __init__(
         self,
         *,
@@ -862,14 +873,66 @@ class ClusterStatus(_message.Message):
         shard_map_epoch: _builtins.int = ...,
         generation: _builtins.int = ...,
         awaiting_servers: _abc.Iterable[_builtins.str] | None = ...,
+        last_checkpoint: Global___CheckpointInfo | None = ...,
+        checkpoint_dir: _builtins.str = ...,
+        shards_restored: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "last_checkpoint", b"last_checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_servers", b"awaiting_servers", "generation", b"generation", "job", b"job", "servers", b"servers", "shard_map_epoch", b"shard_map_epoch", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_servers", b"awaiting_servers", "checkpoint_dir", b"checkpoint_dir", "generation", b"generation", "job", b"job", "last_checkpoint", b"last_checkpoint", "servers", b"servers", "shard_map_epoch", b"shard_map_epoch", "shards_restored", b"shards_restored", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterStatus: _TypeAlias = ClusterStatus  # noqa: Y015
+
+@_typing.final
+class CheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointRequest: _TypeAlias = CheckpointRequest  # noqa: Y015
+
+@_typing.final
+class CheckpointInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    CREATED_UNIX_S_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The checkpoint's directory name under the checkpoint directory, e.g. "ckpt-000000000042"."""
+    step: _builtins.int
+    """Training steps the job had completed when the checkpoint was taken (0 without a job)."""
+    path: _builtins.str
+    created_unix_s: _builtins.float
+    """Seconds since the epoch at which it was complete."""
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        path: _builtins.str = ...,
+        created_unix_s: _builtins.float = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created_unix_s", b"created_unix_s", "id", b"id", "path", b"path", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointInfo: _TypeAlias = CheckpointInfo  # noqa: Y015
 
 @_typing.final
 class ReportJobErrorRequest(_message.Message):

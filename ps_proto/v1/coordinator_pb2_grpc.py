@@ -97,6 +97,11 @@ class CoordinatorStub:
                 request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/ps.v1.Coordinator/Checkpoint',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -185,6 +190,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Takes a checkpoint of every shard now and returns once it is complete (its manifest
+        written). FAILED_PRECONDITION when the coordinator has no checkpoint directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +260,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.GetStatusRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.CheckpointRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.CheckpointInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -575,6 +593,33 @@ class Coordinator:
             '/ps.v1.Coordinator/GetStatus',
             ps__proto_dot_v1_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
             ps__proto_dot_v1_dot_coordinator__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/Checkpoint',
+            ps__proto_dot_v1_dot_coordinator__pb2.CheckpointRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.CheckpointInfo.FromString,
             options,
             channel_credentials,
             insecure,

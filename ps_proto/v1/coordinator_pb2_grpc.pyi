@@ -60,6 +60,10 @@ class CoordinatorStub:
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]
     """Everything `ps-ctl status` shows."""
+    Checkpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CheckpointRequest, _coordinator_pb2.CheckpointInfo]
+    """Takes a checkpoint of every shard now and returns once it is complete (its manifest
+    written). FAILED_PRECONDITION when the coordinator has no checkpoint directory.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -92,6 +96,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]  # type: ignore[assignment]
     """Everything `ps-ctl status` shows."""
+    Checkpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CheckpointRequest, _coordinator_pb2.CheckpointInfo]  # type: ignore[assignment]
+    """Takes a checkpoint of every shard now and returns once it is complete (its manifest
+    written). FAILED_PRECONDITION when the coordinator has no checkpoint directory.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """Control plane only: membership, variable declaration and placement. The data path never
@@ -193,5 +201,15 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ClusterStatus, _abc.Awaitable[_coordinator_pb2.ClusterStatus]]:
         """Everything `ps-ctl status` shows."""
+
+    @_abc_1.abstractmethod
+    def Checkpoint(
+        self,
+        request: _coordinator_pb2.CheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.CheckpointInfo, _abc.Awaitable[_coordinator_pb2.CheckpointInfo]]:
+        """Takes a checkpoint of every shard now and returns once it is complete (its manifest
+        written). FAILED_PRECONDITION when the coordinator has no checkpoint directory.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

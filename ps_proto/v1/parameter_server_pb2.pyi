@@ -216,24 +216,176 @@ class AssignShardsRequest(_message.Message):
     MAP_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     CONTROL_TOKEN_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     control_token: _builtins.bytes
     @_builtins.property
     def map(self) -> _tensor_pb2.ShardMap: ...
+    @_builtins.property
+    def restore(self) -> Global___RestoreFrom:
+        """Shards of `map` to create from a checkpoint instead of their initializers."""
+
     def __init__(
         self,
         *,
         map: _tensor_pb2.ShardMap | None = ...,
         generation: _builtins.int = ...,
         control_token: _builtins.bytes = ...,
+        restore: Global___RestoreFrom | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["map", b"map"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["map", b"map", "restore", b"restore"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "generation", b"generation", "map", b"map"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "generation", b"generation", "map", b"map", "restore", b"restore"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AssignShardsRequest: _TypeAlias = AssignShardsRequest  # noqa: Y015
+
+@_typing.final
+class RestoreFrom(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    LEDGER_FIELD_NUMBER: _builtins.int
+    checkpoint: _builtins.str
+    """A checkpoint directory (holding manifest.json) that this server can read."""
+    ledger: _builtins.bool
+    """Also load this server's exactly-once ledger from its own file in the checkpoint (its
+    shards come back where they were, so clients' retries are deduplicated as before).
+    """
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]: ...
+    def __init__(
+        self,
+        *,
+        checkpoint: _builtins.str = ...,
+        shards: _abc.Iterable[Global___ShardRef] | None = ...,
+        ledger: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "ledger", b"ledger", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreFrom: _TypeAlias = RestoreFrom  # noqa: Y015
+
+@_typing.final
+class SaveCheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    CONTROL_TOKEN_FIELD_NUMBER: _builtins.int
+    DIRECTORY_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    control_token: _builtins.bytes
+    directory: _builtins.str
+    """The directory to write into (it exists; the coordinator writes the manifest last)."""
+    epoch: _builtins.int
+    """The shard-map epoch the checkpoint describes: a server at another epoch refuses
+    (ABORTED) and the coordinator tries again once the map has settled.
+    """
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+        control_token: _builtins.bytes = ...,
+        directory: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "directory", b"directory", "epoch", b"epoch", "generation", b"generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveCheckpointRequest: _TypeAlias = SaveCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class SavedFile(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    bytes: _builtins.int
+    sha256: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "name", b"name", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SavedFile: _TypeAlias = SavedFile  # noqa: Y015
+
+@_typing.final
+class SavedShard(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    UPDATES_FIELD_NUMBER: _builtins.int
+    OPTIMIZER_STEPS_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    updates: _builtins.int
+    """Pushes applied to this shard, and the optimizer's step count (adam's bias correction)."""
+    optimizer_steps: _builtins.int
+    file: _builtins.str
+    """The file holding its tensors: "<variable>/<index>" and "<variable>/<index>/<slot>"."""
+    @_builtins.property
+    def shard(self) -> Global___ShardRef: ...
+    def __init__(
+        self,
+        *,
+        shard: Global___ShardRef | None = ...,
+        updates: _builtins.int = ...,
+        optimizer_steps: _builtins.int = ...,
+        file: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file", b"file", "optimizer_steps", b"optimizer_steps", "shard", b"shard", "updates", b"updates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SavedShard: _TypeAlias = SavedShard  # noqa: Y015
+
+@_typing.final
+class SaveCheckpointReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILES_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    PUSHES_RECORDED_FIELD_NUMBER: _builtins.int
+    pushes_recorded: _builtins.int
+    """Pushes (client, incarnation, sequence) in this server's snapshot."""
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___SavedFile]: ...
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___SavedShard]: ...
+    def __init__(
+        self,
+        *,
+        files: _abc.Iterable[Global___SavedFile] | None = ...,
+        shards: _abc.Iterable[Global___SavedShard] | None = ...,
+        pushes_recorded: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "pushes_recorded", b"pushes_recorded", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveCheckpointReply: _TypeAlias = SaveCheckpointReply  # noqa: Y015
 
 @_typing.final
 class ShardFailure(_message.Message):

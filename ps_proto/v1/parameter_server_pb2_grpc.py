@@ -52,6 +52,11 @@ class ParameterServerStub:
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.AssignShardsRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.AssignShardsReply.FromString,
                 _registered_method=True)
+        self.SaveCheckpoint = channel.unary_unary(
+                '/ps.v1.ParameterServer/SaveCheckpoint',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SaveCheckpointRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.SaveCheckpointReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -82,6 +87,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveCheckpoint(self, request, context):
+        """Control plane (coordinator only): write this server's shards, optimizer state and
+        exactly-once ledger, as one consistent cut, into a checkpoint directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +112,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.AssignShards,
                     request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.AssignShardsRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.AssignShardsReply.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.SaveCheckpointRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SaveCheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +203,33 @@ class ParameterServer:
             '/ps.v1.ParameterServer/AssignShards',
             ps__proto_dot_v1_dot_parameter__server__pb2.AssignShardsRequest.SerializeToString,
             ps__proto_dot_v1_dot_parameter__server__pb2.AssignShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/SaveCheckpoint',
+            ps__proto_dot_v1_dot_parameter__server__pb2.SaveCheckpointRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.SaveCheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,10 @@ class ParameterServerStub:
     Idempotent; shards it already holds with the same spec are kept as they are, and a
     shard holding trained values is never dropped or re-created (FAILED_PRECONDITION).
     """
+    SaveCheckpoint: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.SaveCheckpointRequest, _parameter_server_pb2.SaveCheckpointReply]
+    """Control plane (coordinator only): write this server's shards, optimizer state and
+    exactly-once ledger, as one consistent cut, into a checkpoint directory.
+    """
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -60,6 +64,10 @@ class ParameterServerAsyncStub(ParameterServerStub):
     generation and token): the whole shard map; the server holds the shards placed on it.
     Idempotent; shards it already holds with the same spec are kept as they are, and a
     shard holding trained values is never dropped or re-created (FAILED_PRECONDITION).
+    """
+    SaveCheckpoint: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.SaveCheckpointRequest, _parameter_server_pb2.SaveCheckpointReply]  # type: ignore[assignment]
+    """Control plane (coordinator only): write this server's shards, optimizer state and
+    exactly-once ledger, as one consistent cut, into a checkpoint directory.
     """
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
@@ -92,6 +100,16 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         generation and token): the whole shard map; the server holds the shards placed on it.
         Idempotent; shards it already holds with the same spec are kept as they are, and a
         shard holding trained values is never dropped or re-created (FAILED_PRECONDITION).
+        """
+
+    @_abc_1.abstractmethod
+    def SaveCheckpoint(
+        self,
+        request: _parameter_server_pb2.SaveCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.SaveCheckpointReply, _abc.Awaitable[_parameter_server_pb2.SaveCheckpointReply]]:
+        """Control plane (coordinator only): write this server's shards, optimizer state and
+        exactly-once ledger, as one consistent cut, into a checkpoint directory.
         """
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -6,15 +6,18 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from ps_common.clock import Clock, SystemClock
 from ps_common.job import JobSpec
 from ps_proto.v1 import coordinator_pb2_grpc
 from ps_server.coordinator.assigner import Assigner
+from ps_server.coordinator.checkpointer import Catalog, Checkpointer, Interval, run_periodically
 from ps_server.coordinator.identity import (
     ClientRegistry, Incarnations, RetiredLog, new_generation,
 )
-from ps_server.coordinator.jobs import JobRunner
+from ps_server.coordinator.jobs import JobRunner, JobState
+from ps_server.coordinator.persistence import StateFile
 from ps_server.coordinator.servicer import CoordinatorServicer
 from ps_server.coordinator.state import CoordinatorState
 from ps_server.daemon import Daemon
@@ -22,6 +25,8 @@ from ps_server.daemon import Daemon
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "ps.v1.Coordinator"
+STATE_FILE = "coordinator-state.json"
+STATE_SAVE_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,18 @@ class CoordinatorConfig:
     # shards from a previous coordinator have reported them first (they heartbeat every
     # second). 0 for a coordinator known to start a new cluster.
     recovery_grace_s: float = 3.0
+    # Checkpoints of every shard go here (a directory every server can reach); None: no
+    # checkpoints, and a server that restarts has lost its values.
+    checkpoint_dir: Path | None = None
+    checkpoint_every: Interval = Interval(seconds=60.0)
+    keep_checkpoints: int = 3
+    # The coordinator's own state (job progress) goes here; default: checkpoint_dir.
+    state_dir: Path | None = None
+
+    @property
+    def state_path(self) -> Path | None:
+        directory = self.state_dir or self.checkpoint_dir
+        return directory / STATE_FILE if directory else None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -60,6 +77,12 @@ class CoordinatorConfig:
             raise ValueError(f"--server-timeout {self.server_timeout_s} must be > 0")
         if self.split_threshold_bytes < 1:
             raise ValueError(f"--split-threshold {self.split_threshold_bytes} must be >= 1")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 1")
+        for flag, directory in (("--checkpoint-dir", self.checkpoint_dir),
+                                ("--state-dir", self.state_dir)):
+            if directory is not None and directory.exists() and not directory.is_dir():
+                raise ValueError(f"{flag} {directory} is not a directory")
 
 
 class Coordinator:
@@ -88,10 +111,29 @@ class Coordinator:
         self.runner = JobRunner(config.job, self._clock,
                                 heartbeat_timeout_s=config.heartbeat_timeout_s,
                                 incarnations=incarnations, on_worker_gone=retired.append)
+        self.checkpointer: Checkpointer | None = None
+        if config.checkpoint_dir is not None:
+            config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            catalog = Catalog(config.checkpoint_dir)
+            self.state.use_checkpoints(catalog)
+            self.checkpointer = Checkpointer(
+                catalog, self.state, self._assigner.sync, self._assigner.save_checkpoint,
+                self._progress, keep=config.keep_checkpoints)
+        else:
+            log.warning("no --checkpoint-dir: a parameter server that restarts or is lost "
+                        "takes its values with it (the job fails)")
+        self._state_file = None
+        if config.state_path is not None:
+            config.state_path.parent.mkdir(parents=True, exist_ok=True)
+            self._state_file = StateFile(config.state_path)
+            self._resume_job()
+        # Servers are told the job is over only after its last checkpoint.
+        self._servers_may_stop = threading.Event()
         servicer = CoordinatorServicer(
             self.state, self._assigner, self.runner, ClientRegistry(incarnations, retired),
             retired, incarnations, token=token, heartbeat_interval_s=config.heartbeat_interval_s,
-            keep_serving=config.keep_serving)
+            keep_serving=config.keep_serving, checkpointer=self.checkpointer,
+            servers_may_stop=self._servers_may_stop.is_set)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
@@ -102,8 +144,65 @@ class Coordinator:
         self._stopping = threading.Event()
         self._finisher: threading.Thread | None = None
 
+    def _progress(self) -> tuple[int, dict | None]:
+        if self.runner.job is None:
+            return 0, None
+        progress = self.runner.export_state()
+        return int(progress.get("steps", 0)), progress
+
+    def _resume_job(self) -> None:
+        """Take the job up where a predecessor left it: from the state file, else from the
+        progress recorded in the newest checkpoint."""
+        if self.runner.job is None:
+            return
+        saved = self._state_file.load()
+        source = f"{self._state_file.path}"
+        progress = saved.get("job") if saved else None
+        if progress is None and self.checkpointer and self.checkpointer.catalog.current():
+            manifest = self.checkpointer.catalog.current()
+            progress, source = manifest.job, f"checkpoint {manifest.directory}"
+        if progress is None:
+            return
+        try:
+            self.runner.restore_state(progress)
+        except ValueError as error:
+            log.warning("not resuming from %s: %s; starting the job afresh", source, error)
+            return
+        snap = self.runner.snapshot()
+        log.info("resumed the job from %s: %s, epoch %d/%d, %d of %d task(s) done, %d step(s)",
+                 source, snap["state"].value, snap["epoch"], snap["epochs"], snap["tasks_done"],
+                 snap["tasks_total"], snap["steps"])
+
+    def _save_state(self) -> None:
+        if self._state_file is None or self.runner.job is None:
+            return
+        progress = self.runner.export_state()
+        # Elapsed time alone changes on every read: not worth a write (it is saved with the
+        # next real change, and a restart loses at most that much of it).
+        changed = {k: v for k, v in progress.items() if k != "elapsed_s"}
+        if changed != self._saved_progress:
+            try:
+                self._state_file.save({"job": progress})
+                self._saved_progress = changed
+            except OSError as error:
+                log.error("cannot save the coordinator's state to %s: %s",
+                          self._state_file.path, error)
+
+    def _keep_state_saved(self) -> None:
+        while not self._stopping.wait(STATE_SAVE_INTERVAL_S):
+            self._save_state()
+
     def start(self) -> "Coordinator":
         self._daemon.start()
+        self._saved_progress = None
+        if self._state_file is not None and self.runner.job is not None:
+            threading.Thread(target=self._keep_state_saved, name="ps-coordinator-state",
+                             daemon=True).start()
+        if self.checkpointer is not None:
+            threading.Thread(target=run_periodically, name="ps-coordinator-checkpoints",
+                             args=(self.checkpointer, self.config.checkpoint_every,
+                                   lambda: self.runner.snapshot()["steps"], self._stopping,
+                                   self._nothing_to_checkpoint), daemon=True).start()
         self._watcher = threading.Thread(target=self._watch_servers,
                                          name="ps-coordinator-server-watch", daemon=True)
         self._watcher.start()
@@ -127,19 +226,37 @@ class Coordinator:
                                 self.config.heartbeat_timeout_s, self.config.server_timeout_s)
                 elif event.kind == "back":
                     log.info("parameter server %s (%s) is back", event.server_id, event.address)
+                elif event.kind == "moved":
+                    log.warning("parameter server %s (%s) has been gone for more than %g s "
+                                "(--server-timeout): its shards move to live servers from "
+                                "checkpoint %s: %s; updates applied after that checkpoint are "
+                                "lost", event.server_id, event.address,
+                                self.config.server_timeout_s, event.checkpoint, shards)
                 else:
                     log.error("%s", self.state.data_loss)
                     if self.runner.fail(self.state.data_loss):
                         log.error("the job failed: %s", self.state.data_loss)
 
+    def _nothing_to_checkpoint(self) -> bool:
+        return (self.runner.over or not self.state.shard_map.shards
+                or bool(self.state.data_loss))
+
     def _finish_when_job_over(self) -> None:
-        """After the job ends, wait until every live member has been told (or a heartbeat
-        timeout has passed), then shut down: the process exits 0."""
+        """After the job ends, take its last checkpoint, then wait until every live member
+        has been told (or a heartbeat timeout has passed) and shut down: the process exits 0."""
         while not self._stopping.wait(0.1):
             if self.runner.over:
                 break
         else:
             return
+        if (self.checkpointer is not None and self.runner.state is JobState.DONE
+                and self.state.shard_map.shards):
+            try:
+                self.checkpointer.take("end of the job")
+            except Exception as error:  # noqa: BLE001 - the job's outcome stands regardless
+                log.error("the end-of-job checkpoint failed: %s", error)
+        self._save_state()
+        self._servers_may_stop.set()
         log.info("job %s; telling workers and servers to exit", self.runner.state.value)
         deadline = self._clock.monotonic() + self.config.heartbeat_timeout_s + 2.0
         while not self._stopping.wait(0.1) and self._clock.monotonic() < deadline:
@@ -151,6 +268,8 @@ class Coordinator:
 
     def stop(self, grace_s: float | None = None) -> None:
         self._stopping.set()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
         self._assigner.close()
 

@@ -11,19 +11,25 @@ import logging
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from ps_common.errors import NotReady
+from ps_common.checkpoints import FileRecord
+from ps_common.errors import CheckpointFailed, NotReady, StaleEpoch
 from ps_common.rpc import make_channel
 from ps_common.shardmap import Shard
 from ps_common.status import RemoteError
 from ps_common.wire import shard_from_proto, shardmap_to_proto
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
+from ps_server.coordinator.checkpointer import SavedPart
 from ps_server.coordinator.state import CoordinatorState
 
 log = logging.getLogger(__name__)
+
+# Writing a server's part takes as long as its disk needs for its shards.
+CHECKPOINT_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -73,12 +79,25 @@ class Assigner:
             request = ps_pb.AssignShardsRequest(
                 map=shardmap_to_proto(shard_map), generation=self._state.generation,
                 control_token=self._token)
+            plan = self._state.restore_plan(server_id)
+            if plan is not None:
+                checkpoint, keys, ledger = plan
+                request.restore.checkpoint = str(checkpoint)
+                request.restore.shards.extend(ps_pb.ShardRef(variable=v, index=i)
+                                              for v, i in sorted(keys))
+                request.restore.ledger = ledger
             try:
                 reply = self._stub(address).AssignShards(request, timeout=self._timeout)
             except grpc.RpcError as error:
                 raise RemoteError.from_rpc_error(error, target=server_id) from None
             failures = [CreationFailure(server_id, shard_from_proto(f.shard), f.message)
                         for f in reply.failed]
+            if plan is not None:
+                unrestored = [f for f in failures if f.shard.key in keys]
+                failures = [f for f in failures if f.shard.key not in keys]
+                self._state.restore_done(server_id, keys - {f.shard.key for f in unrestored})
+                if unrestored:
+                    self._state.restore_failed(server_id, unrestored[0].message)
             # Recorded before the acknowledgement: a declaration that then finds this server
             # synced also finds the failure (whichever declaration placed it looks it up).
             for failure in failures:
@@ -128,6 +147,28 @@ class Assigner:
                     self._background_sync_running = False
 
         self._pool.submit(run)
+
+    def save_checkpoint(self, server_id: str, address: str, directory: Path,
+                        epoch: int) -> SavedPart:
+        """Ask one server to write its part of a checkpoint into `directory`. Raises the
+        server's error (StaleEpoch or NotReady when it is not at `epoch`; CheckpointFailed)."""
+        request = ps_pb.SaveCheckpointRequest(
+            generation=self._state.generation, control_token=self._token,
+            directory=str(directory), epoch=epoch)
+        try:
+            reply = self._stub(address).SaveCheckpoint(request, timeout=CHECKPOINT_TIMEOUT_S)
+        except grpc.RpcError as error:
+            remote = RemoteError.from_rpc_error(error, target=server_id)
+            if remote.code() == grpc.StatusCode.ABORTED:
+                raise StaleEpoch(epoch, epoch + 1) from None
+            if remote.code() == grpc.StatusCode.UNAVAILABLE:
+                raise NotReady(f"server {server_id}: {remote.details()}") from None
+            raise CheckpointFailed(f"server {server_id} ({address}) could not save its part: "
+                                   f"{remote.code().name}: {remote.details()}") from None
+        return SavedPart(
+            files=[FileRecord(f.name, f.bytes, f.sha256) for f in reply.files],
+            shards={(s.shard.variable, s.shard.index): (s.updates, s.optimizer_steps, s.file)
+                    for s in reply.shards})
 
     def close(self) -> None:
         # Channels first: closing them cancels assignments in flight, so that stopping the

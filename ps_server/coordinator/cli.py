@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from ps_common.cli import (
     add_daemon_arguments, add_server_loss_arguments, fail, parse_bytes, run_until_signal,
@@ -13,8 +14,16 @@ from ps_common.cli import (
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
+from ps_server.coordinator.checkpointer import Interval
 
 log = logging.getLogger("ps-coordinator")
+
+
+def checkpoint_interval(text: str) -> Interval:
+    try:
+        return Interval.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--checkpoint-every ")) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="place no new variable this long after start, so that servers of a "
                    "previous coordinator report their shards first (default 3; 0 for a new "
                    "cluster)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                   help="take checkpoints of every shard here (a directory every server can "
+                   "reach) and restore from the newest good one; also the job-file key "
+                   "checkpoint_dir")
+    g.add_argument("--checkpoint-every", type=checkpoint_interval, default=Interval(seconds=60),
+                   metavar="INTERVAL", help="seconds (30s, 5m) or steps (500steps) between "
+                   "checkpoints (default 60s); one is also taken at the end of the job")
+    g.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                   help="keep the newest N checkpoints (default 3)")
+    g.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="where the coordinator keeps its own state (job progress) so that it "
+                   "resumes after a restart (default: the checkpoint directory)")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep servers and the coordinator up after the job ends")
     add_job_arguments(p)
@@ -56,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             split_threshold_bytes=args.split_threshold, grace_s=args.grace,
             server_timeout_s=args.server_timeout,
             reinitialize_lost_shards=args.reinitialize_lost_shards,
-            recovery_grace_s=args.recovery_grace)
+            recovery_grace_s=args.recovery_grace,
+            checkpoint_dir=args.checkpoint_dir or (Path(job.checkpoint_dir)
+                                                   if job and job.checkpoint_dir else None),
+            checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+            state_dir=args.state_dir)
     except ValueError as error:
         fail(parser, str(error))
         raise

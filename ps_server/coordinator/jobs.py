@@ -11,6 +11,12 @@ current epoch's tasks are held (an epoch's tasks are dropped when its evaluation
 task ids are issued in order, so an id below the current epoch's that was issued is known to
 be done). Leases and forgetting are heaps ordered by time, so reaping touches only members
 whose time has come. What grows with the job is one EpochSummary per epoch.
+
+Persistence: `export_state()` is the same bounded state as plain JSON values (the current
+epoch's tasks, the tracked workers, one summary per epoch) and `restore_state()` rebuilds it
+in a new process, so a restarted coordinator resumes the job instead of restarting it.
+Monotonic times do not survive a process: elapsed seconds are stored, and restored workers
+start a fresh heartbeat lease (or forgetting delay) from the restoring clock's now.
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ps_common.clock import Clock
 from ps_common.errors import FencedIncarnation, InvalidArgument, NotFound
 from ps_common.job import JobSpec
 
 log = logging.getLogger(__name__)
+
+STATE_VERSION = 1  # of export_state()'s dict
 
 # A task whose holder died this many times fails the job instead of killing more workers.
 MAX_TASK_ATTEMPTS = 5
@@ -505,3 +513,110 @@ class JobRunner:
             "workers_dead": [w["worker_id"] for w in snap["workers"] if w["state"] == "dead"],
             **({"failure": snap["failure"]} if snap["failure"] else {}),
         }
+
+    # ---- persistence -------------------------------------------------------------------
+
+    def export_state(self) -> dict:
+        """Everything needed to resume the job, as plain JSON-ready values, taken under the
+        lock (one consistent cut). Costs one row per current-epoch task, tracked worker and
+        epoch. Times are seconds since the job started: monotonic clocks do not survive a
+        restart."""
+        with self._locked():
+            now = self._clock.monotonic()
+            end = self._finished_at if self._finished_at is not None else now
+            return {
+                "version": STATE_VERSION,
+                "job": self.job.to_json() if self.job else None,
+                "state": self.state.value,
+                "failure": self.failure,
+                "epoch": self._epoch,
+                "issued": self._issued,
+                "train_done": self._train_done,
+                "tasks_done": self._tasks_done,
+                "steps": self._steps,
+                "elapsed_s": end - self._started_at,
+                "finished": self._finished_at is not None,
+                "tasks": [{"task_id": t.task_id, "kind": t.kind, "epoch": t.epoch,
+                           "index": t.index, "state": t.state.value,
+                           "holder": list(t.holder) if t.holder else None,
+                           "attempts": t.attempts,
+                           "metrics": asdict(t.metrics) if t.metrics else None}
+                          for t in self._tasks.values()],
+                "summaries": [{"epoch": s.epoch, "train": asdict(s.train),
+                               "test": asdict(s.test) if s.test else None}
+                              for s in self._summaries],
+                "workers": [{"worker_id": w.worker_id, "incarnation": w.incarnation,
+                             "state": w.state.value, "reason": w.reason,
+                             "died_at_s": (w.died_at - self._started_at
+                                           if w.died_at is not None else None),
+                             "tasks_done": w.tasks_done, "steps": w.steps,
+                             "leased": sorted(w.leased)}
+                            for w in self._workers.values()],
+            }
+
+    def restore_state(self, state: dict) -> None:
+        """Rebuild the job from `export_state()`'s dict (JSON round-tripped or not). Call it on
+        a fresh runner built with the same JobSpec, before any worker talks to it.
+
+        Live workers get a full heartbeat lease from now, so one that never comes back is
+        declared dead after the timeout and its tasks go back to the queue; dead and done
+        workers are forgotten `forget_after_s` from now. Incarnations are not restored: the
+        `incarnations` source must already hand out numbers above the restored ones (the
+        coordinator's are generation-based). Raises ValueError for another version or job
+        or a malformed state (the runner is then unchanged), and RuntimeError on a runner
+        that has already been used."""
+        if not isinstance(state, dict):  # ValueError: callers treat any bad state alike
+            raise ValueError(  # noqa: TRY004
+                f"malformed job state: a {type(state).__name__}, not a dict")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"job state version {state.get('version')!r} is not "
+                             f"{STATE_VERSION}: cannot restore it")
+        if state.get("job") != (self.job.to_json() if self.job else None):
+            raise ValueError("the saved job state is for a different job than this "
+                             "coordinator's: " + str(state.get("job")))
+        try:  # parse everything before changing anything
+            tasks = {t["task_id"]: Task(t["task_id"], t["kind"], t["epoch"], t["index"],
+                                        TaskState(t["state"]),
+                                        tuple(t["holder"]) if t["holder"] else None,
+                                        t["attempts"],
+                                        Metrics(**t["metrics"]) if t["metrics"] else None)
+                     for t in state["tasks"]}
+            summaries = [EpochSummary(s["epoch"], Metrics(**s["train"]),
+                                      Metrics(**s["test"]) if s["test"] else None)
+                         for s in state["summaries"]]
+            workers = [(Worker(w["worker_id"], w["incarnation"], WorkerState(w["state"]), 0.0,
+                               w["reason"], None, w["tasks_done"], w["steps"], set(w["leased"])),
+                        w["died_at_s"]) for w in state["workers"]]
+            job_state, failure = JobState(state["state"]), state["failure"]
+            counters = [state[k] for k in ("epoch", "issued", "train_done", "tasks_done",
+                                           "steps")]
+            elapsed, finished = float(state["elapsed_s"]), bool(state["finished"])
+            for worker, _ in workers:  # a release would look these tasks up
+                if any(tasks[i].holder != (worker.worker_id, worker.incarnation)
+                       for i in worker.leased):
+                    raise ValueError(f"worker {worker.worker_id} leases a task it does not hold")
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"malformed job state: {type(error).__name__}: {error}") from error
+        with self._locked():
+            if self._workers or self._tasks_done:
+                raise RuntimeError("restore_state needs a runner no worker has talked to")
+            now = self._clock.monotonic()
+            self.state, self.failure = job_state, failure
+            self._epoch, self._issued, self._train_done, self._tasks_done, self._steps = counters
+            # Elapsed time goes on from where it was (and stays put for a finished job).
+            self._started_at = now - elapsed
+            self._finished_at = now if finished else None
+            self._summaries, self._tasks = summaries, tasks
+            self._pending = [(t.kind != "evaluate", t.task_id) for t in tasks.values()
+                             if t.state is TaskState.PENDING]
+            heapq.heapify(self._pending)
+            self._expiries, self._forgets, self._workers = [], [], {}
+            for worker, died_at_s in workers:
+                worker.last_heartbeat = now
+                worker.died_at = self._started_at + died_at_s if died_at_s is not None else None
+                self._workers[worker.worker_id] = worker
+                if worker.state is WorkerState.ALIVE:
+                    self._schedule(self._expiries, now + self._timeout, worker)
+                else:
+                    self._schedule(self._forgets, now + self._forget_after, worker)
+            self._alive = sum(w.state is WorkerState.ALIVE for w in self._workers.values())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ps_common.errors import InvalidArgument, ResourceExhausted
+from ps_common.errors import CheckpointFailed, InvalidArgument, ResourceExhausted
 from ps_common.status import translate_errors
 from ps_common.wire import shard_from_proto, shardmap_from_proto, shardmap_to_proto, spec_from_proto
 from ps_proto.v1 import coordinator_pb2 as pb
@@ -22,7 +22,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, state: CoordinatorState, assigner: Assigner, runner: JobRunner,
                  clients: ClientRegistry, retired: RetiredLog, incarnations: Incarnations, *,
                  token: bytes,
-                 heartbeat_interval_s: float, keep_serving: bool):
+                 heartbeat_interval_s: float, keep_serving: bool, checkpointer=None,
+                 servers_may_stop=lambda: True):
         self._state = state
         self._assigner = assigner
         self._runner = runner
@@ -32,6 +33,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._token = token
         self._keep_serving = keep_serving
         self._heartbeat_interval_ms = int(heartbeat_interval_s * 1000)
+        self._checkpointer = checkpointer
+        # Servers are told the job is over only once this says so (after its last checkpoint).
+        self._servers_may_stop = servers_may_stop
 
     def RegisterServer(self, request, context):
         with translate_errors(context, "RegisterServer"):
@@ -64,7 +68,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.server_id, request.epoch, request.generation)
             if needs_sync:
                 self._assigner.sync_in_background()
-            shutdown = known and self._runner.over and not self._keep_serving
+            shutdown = (known and self._runner.over and not self._keep_serving
+                        and self._servers_may_stop())
             if shutdown:
                 self._state.mark_told_to_stop(request.server_id)
             retired, through = (self._retired.since(request.retired_through) if known
@@ -193,4 +198,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 shard_map_epoch=shard_map.epoch,
                 generation=self._state.generation,
                 awaiting_servers=self._state.awaiting(),
+                last_checkpoint=_checkpoint_info(
+                    self._checkpointer.last if self._checkpointer else None),
+                checkpoint_dir=str(self._checkpointer.catalog.root) if self._checkpointer else "",
+                shards_restored=self._state.shards_restored,
             )
+
+    def Checkpoint(self, request, context):
+        with translate_errors(context, "Checkpoint"):
+            if self._checkpointer is None:
+                raise CheckpointFailed("this coordinator takes no checkpoints: start it with "
+                                       "--checkpoint-dir DIR")
+            if not self._state.shard_map.shards:
+                raise CheckpointFailed("nothing to checkpoint: no variable has been declared")
+            return _checkpoint_info(self._checkpointer.take("requested"))
+
+
+def _checkpoint_info(manifest) -> pb.CheckpointInfo | None:
+    if manifest is None:
+        return None
+    return pb.CheckpointInfo(id=manifest.id, step=manifest.step, path=str(manifest.directory),
+                             created_unix_s=manifest.created_unix_s, bytes=manifest.bytes)

@@ -71,12 +71,14 @@ class ServerEvent:
 
     kind: "down" (its lease ran out), "back" (it heartbeats again after "down"), "timed_out"
     (down, or awaited after a coordinator restart, for longer than the server timeout while
-    it holds shards: its values are lost)."""
+    it holds shards: its values are lost), "moved" (the same, but its shards were moved to
+    live servers from a checkpoint: `shards` says where)."""
 
     kind: str
     server_id: str
     address: str
     shards: tuple[str, ...] = ()
+    checkpoint: str = ""  # "moved": the checkpoint the shards were restored from
 
 
 def describe_shard(shard: Shard) -> str:
@@ -134,7 +136,67 @@ class CoordinatorState:
         self._timed_out: set[str] = set()
         self._frozen: set[str] = set()  # lost shards, not re-initialized: never resynced
         self._data_loss = ""
+        # Checkpoints (a Catalog, or None): shards lost with their server are restored from
+        # the current one; `_restore` holds, per server, the shards its next assignment
+        # creates from it.
+        self._catalog = None
+        self._restore: dict[str, set[tuple[str, int]]] = {}
+        self._moved_away: set[tuple[str, tuple[str, int]]] = set()
+        self.shards_restored = 0
         self._lock = threading.Lock()
+
+    def use_checkpoints(self, catalog) -> None:
+        with self._lock:
+            self._catalog = catalog
+
+    def _restorable(self, shard: Shard) -> bool:
+        """Expects the lock held: the current checkpoint holds `shard`'s variable as the map
+        declares it."""
+        manifest = self._catalog.current() if self._catalog else None
+        return (manifest is not None
+                and manifest.variables.get(shard.variable) == self._map.variables[shard.variable])
+
+    def restore_plan(self, server_id: str):
+        """(checkpoint directory, shard keys, whether to restore the server's ledger too) for
+        the next assignment to `server_id`, or None when it creates nothing from a checkpoint.
+        The ledger comes back only with the shards it was cut with: the same server, the same
+        rows (clients' retries to that server are then deduplicated as before)."""
+        with self._lock:
+            keys = self._restore.get(server_id)
+            manifest = self._catalog.current() if self._catalog else None
+            if not keys or manifest is None:
+                return None
+            saved = {(r.variable, r.index): (r.server_id, r.row_start, r.row_stop)
+                     for r in manifest.shards}
+            placed = {s.key: (s.server_id, s.row_start, s.row_stop)
+                      for s in self._map.shards_on(server_id)}
+            ledger = server_id in manifest.ledgers and all(
+                saved.get(key) == placed.get(key) for key in keys)
+            return manifest.directory, set(keys), ledger
+
+    def restore_done(self, server_id: str, keys: set[tuple[str, int]]) -> None:
+        with self._lock:
+            pending = self._restore.get(server_id, set())
+            self.shards_restored += len(pending & keys)
+            pending -= keys
+            if not pending:
+                self._restore.pop(server_id, None)
+
+    def restore_failed(self, server_id: str, message: str) -> None:
+        """A server could not read the current checkpoint: go back to the previous good one
+        (the shards are sent again from it), or, with none left, the values are lost."""
+        with self._lock:
+            manifest = self._catalog.fall_back(message) if self._catalog else None
+            keys = self._restore.get(server_id, set())
+            if manifest is not None and all(
+                    manifest.variables.get(name) == self._map.variables.get(name)
+                    for name, _ in keys):
+                self._map = replace(self._map, epoch=self._next_epoch())
+                return
+            self._restore.pop(server_id, None)
+            lost = [describe_shard(s) for s in self._map.shards_on(server_id) if s.key in keys]
+            self._reinitialize_or_fail(server_id, lost, f"no checkpoint can restore them "
+                                                        f"({message})")
 
     @property
     def shard_map(self) -> ShardMap:
@@ -197,15 +259,16 @@ class CoordinatorState:
                 self._map = replace(self._map, servers={**self._map.servers, server_id: address})
                 changed = True
             losses = self._find_losses(server_id)
+            recreate = False
             for sid, lost in losses.items():
-                self._record_loss(sid, lost)
+                recreate |= self._record_loss(sid, lost)
             if report.generation == 0:  # acknowledgements were the previous process's
                 self._acked.pop(server_id, None)
-            if changed or (losses and self._reinitialize_lost):
+            if changed or recreate:
                 self._map = replace(self._map, epoch=self._next_epoch())
-            return losses
+            return {sid: [describe_shard(s) for s in lost] for sid, lost in losses.items()}
 
-    def _find_losses(self, registering: str) -> dict[str, list[str]]:
+    def _find_losses(self, registering: str) -> dict[str, list[Shard]]:
         """Expects the lock held. Only a new server process (`_fresh`) can have lost shards,
         and a shard placed on it counts as lost when it does not hold it and had it: the
         registering server had acknowledged it to this coordinator, or the shard comes from
@@ -225,27 +288,57 @@ class CoordinatorState:
                     is_lost = placed_at is None and (sid, shard) not in self._loss_checked
                 if is_lost:
                     self._loss_checked.add((sid, shard))
-                    losses.setdefault(sid, []).append(describe_shard(shard))
+                    losses.setdefault(sid, []).append(shard)
         return losses
 
-    def _record_loss(self, server_id: str, lost: list[str]) -> None:
-        """Expects the lock held."""
+    def _record_loss(self, server_id: str, lost: list[Shard]) -> bool:
+        """Expects the lock held. Shards the current checkpoint holds are restored from it;
+        the rest are re-initialized (if the user opted in) or lost (the job fails). Returns
+        True if shards are to be created again (a new epoch)."""
         member = self._servers[server_id]
-        action = "re-initialized" if self._reinitialize_lost else "failed the job"
+        restorable = [s for s in lost if self._restorable(s)]
+        gone = [describe_shard(s) for s in lost if s not in restorable]
+        manifest = self._catalog.current() if restorable else None
+        action = (f"restored from checkpoint {manifest.id} (step {manifest.step})"
+                  if manifest else "")
         self._servers[server_id] = replace(
-            member, state_losses=member.state_losses + 1, lost_shards=tuple(lost),
-            loss_action=action)
+            member, state_losses=member.state_losses + 1,
+            lost_shards=tuple(describe_shard(s) for s in lost), loss_action=action)
+        if restorable:
+            self._restore.setdefault(server_id, set()).update(s.key for s in restorable)
+            log.warning("parameter server %s (%s) came back without %s: restoring them from "
+                        "checkpoint %s (step %d); updates applied after it are lost",
+                        server_id, member.address,
+                        ", ".join(describe_shard(s) for s in restorable), manifest.directory,
+                        manifest.step)
+        if gone:
+            why = ("no checkpoint holds them" if self._catalog is not None
+                   else "the coordinator has no --checkpoint-dir")
+            return self._reinitialize_or_fail(server_id, gone, why) or bool(restorable)
+        return True
+
+    def _reinitialize_or_fail(self, server_id: str, lost: list[str], why: str) -> bool:
+        """Expects the lock held. Returns True if the shards are re-created."""
+        member = self._servers.get(server_id)
+        address = member.address if member else self._map.servers.get(server_id, "?")
+        action = "re-initialized" if self._reinitialize_lost else "failed the job"
+        if member is not None:
+            done = member.loss_action
+            self._servers[server_id] = replace(
+                member, loss_action=f"{done}; {action}" if done else action)
         if self._reinitialize_lost:
-            log.warning("parameter server %s (%s) came back without %s: re-creating them "
-                        "from their initializers (--reinitialize-lost-shards)", server_id,
-                        member.address, ", ".join(lost))
-            return
+            log.warning("parameter server %s (%s) came back without %s (%s): re-creating "
+                        "them from their initializers (--reinitialize-lost-shards)", server_id,
+                        address, ", ".join(lost), why)
+            return True
         self._frozen.add(server_id)
         self._data_loss = self._data_loss or (
-            f"parameter server {server_id} ({member.address}) came back without the trained "
-            f"values of {', '.join(lost)}: they are lost. Restart the job (or start the "
-            "coordinator with --reinitialize-lost-shards to go on from re-initialized values)")
+            f"parameter server {server_id} ({address}) came back without the trained "
+            f"values of {', '.join(lost)} and {why}: they are lost. Restart the job (or start "
+            "the coordinator with --reinitialize-lost-shards to go on from re-initialized "
+            "values)")
         log.error("%s", self._data_loss)
+        return False
 
     def _merge_report(self, server_id: str, report: ServerReport) -> bool:
         """Fold a server's report into the map: variables of its last map that this
@@ -277,7 +370,8 @@ class CoordinatorState:
                 same_rows = (shard.index, shard.row_start, shard.row_stop) == (
                     held.shard.index, held.shard.row_start, held.shard.row_stop)
                 if (same_rows and held.updates and shard.server_id != server_id
-                        and variables[name] == held.spec):
+                        and variables[name] == held.spec
+                        and (server_id, held.shard.key) not in self._moved_away):
                     log.warning("server %s holds trained %s, which the map placed on %s: "
                                 "the holder wins", server_id, describe_shard(shard),
                                 shard.server_id)
@@ -372,7 +466,7 @@ class CoordinatorState:
                     events.append(ServerEvent("down", sid, m.address, holds))
                 if (holds and sid not in self._timed_out
                         and now - self._down_since[sid] >= self._server_timeout):
-                    events.append(self._time_out(sid, m.address, holds))
+                    events.append(self._lose(sid, m.address, holds, now))
                 elif not holds and now - self._down_since[sid] >= self._server_timeout:
                     gone.append(sid)  # holds nothing: forgotten, as if never seen
             for sid in gone:
@@ -381,9 +475,42 @@ class CoordinatorState:
                 for sid in sorted(self._recovery.awaiting - self._timed_out):
                     holds = tuple(describe_shard(s) for s in self._map.shards_on(sid))
                     if holds:
-                        events.append(self._time_out(sid, self._map.servers.get(sid, "?"),
-                                                     holds))
+                        events.append(self._lose(sid, self._map.servers.get(sid, "?"), holds,
+                                                 now))
         return events
+
+    def _lose(self, server_id: str, address: str, holds: tuple[str, ...],
+              now: float) -> ServerEvent:
+        """Expects the lock held. A server holding shards is gone for good: its shards move
+        to the live servers from the current checkpoint, or, when that cannot be, its values
+        are lost (`_time_out`)."""
+        shards = self._map.shards_on(server_id)
+        live = sorted(m.server_id for m in self._servers.values()
+                      if m.online_until > now and not m.told_to_stop
+                      and m.server_id not in self._frozen and m.server_id != server_id)
+        if not live or not all(self._restorable(s) for s in shards):
+            return self._time_out(server_id, address, holds)
+        load = {sid: 0 for sid in live}
+        for placed in self._map.shards.values():
+            for shard in placed:
+                if shard.server_id in load:
+                    load[shard.server_id] += shard.nbytes(self._map.variables[shard.variable])
+        moved = dict(self._map.shards)
+        targets = []
+        for shard in sorted(shards, key=lambda s: -s.nbytes(self._map.variables[s.variable])):
+            target = min(live, key=lambda sid: (load[sid], sid))
+            load[target] += shard.nbytes(self._map.variables[shard.variable])
+            moved[shard.variable] = tuple(replace(s, server_id=target) if s == shard else s
+                                          for s in moved[shard.variable])
+            self._restore.setdefault(target, set()).add(shard.key)
+            self._moved_away.add((server_id, shard.key))
+            targets.append(f"{describe_shard(shard)} -> {target}")
+        self._timed_out.add(server_id)
+        self._recovery.awaiting.discard(server_id)
+        self._map = replace(self._map, shards=moved, epoch=self._next_epoch())
+        manifest = self._catalog.current()
+        return ServerEvent("moved", server_id, address, tuple(targets),
+                           f"{manifest.id} (step {manifest.step})")
 
     def _forget_server(self, server_id: str) -> None:
         """Expects the lock held."""
@@ -461,6 +588,9 @@ class CoordinatorState:
             for spec in new:
                 self._placed_at[spec.name] = self._map.epoch
                 self._creation_failures.pop(spec.name, None)
+                for shard in self._map.shards[spec.name]:
+                    if self._restorable(shard):  # a checkpoint holds it: training resumes
+                        self._restore.setdefault(shard.server_id, set()).add(shard.key)
             return self._map, [spec.name for spec in new]
 
     def record_creation_failure(self, variable: str, message: str) -> None:

@@ -3,6 +3,7 @@ PSClient, graceful SIGTERM, SIGKILL and restart, and refused command lines."""
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import signal
@@ -261,3 +262,114 @@ def test_sigterm_lets_a_push_in_flight_finish_and_exits_zero(spawn):
     assert "error" not in outcome, outcome
     assert outcome["reply"].duplicate is False  # a Push answers only once it is applied
     assert server.popen.wait(EXIT_TIMEOUT_S) == 0
+
+
+# ---- durability: checkpoints across a server SIGKILL ---------------------------------------
+
+CTL = [sys.executable, "-m", "ps_worker.ctl"]
+COUNT_UP = -np.ones(1, np.float32)  # SGD lr 1: every push adds exactly 1.0 to the counter
+
+
+class LostResponse(grpc.RpcError):
+    """What a client sees when a push's response is lost after the server applied it."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "injected loss of the Push response"
+
+
+class _ResponseLost:
+    """A push future whose answer is dropped once the server has answered."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def result(self, timeout=None):
+        self._inner.result(timeout)
+        raise LostResponse()
+
+    def cancel(self):
+        return self._inner.cancel()
+
+
+class LossyClient(PSClient):
+    """Loses the response of every `every`-th push attempt (the push itself lands)."""
+
+    def __init__(self, *args, every: int = 3, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._every, self._attempts, self.lost = every, 0, 0
+
+    def _stub(self, address):
+        stub, client = super()._stub(address), self
+
+        class LossyPush:
+            def future(self, chunks, timeout=None):
+                call = stub.Push.future(chunks, timeout=timeout)
+                client._attempts += 1
+                if client._attempts % client._every:
+                    return call
+                client.lost += 1
+                return _ResponseLost(call)
+
+        class Stub:
+            Push = LossyPush()
+
+            def __getattr__(self, name):
+                return getattr(stub, name)
+
+        return Stub()
+
+
+def checkpointed_counter(manifest_dir: Path) -> float:
+    """The counter as the checkpoint holds it, read with the reference safetensors library."""
+    from safetensors.numpy import load_file
+
+    manifest = json.loads((manifest_dir / "manifest.json").read_text())
+    (shard,) = manifest["shards"]
+    tensors = load_file(manifest_dir / shard["file"])
+    return float(tensors[f"count/{shard['index']}"][0])
+
+
+def test_a_counter_equals_the_acknowledged_pushes_across_lost_responses_and_a_server_sigkill(
+        spawn, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    coordinator, coordinator_address, server, server_address = start_cluster(
+        spawn, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3600s")
+    with LossyClient(coordinator_address, retry=PATIENT, timeout_s=10) as ps:
+        ps.declare("count", shape=(1,), init="zeros", optimizer=SGD1)
+        for _ in range(20):
+            ps.push({"count": COUNT_UP})
+        assert ps.lost >= 6  # retries of applied pushes were deduplicated:
+        assert ps.pull("count")[0] == 20.0
+
+        taken = subprocess.run([*CTL, "--coordinator", coordinator_address, "checkpoint"],
+                               capture_output=True, text=True, timeout=60)
+        assert taken.returncode == 0, taken.stderr
+        info = json.loads(taken.stdout)
+        assert checkpointed_counter(checkpoints / info["id"]) == 20.0
+        for _ in range(7):  # acknowledged after the checkpoint: within the bound that is lost
+            ps.push({"count": COUNT_UP})
+        assert ps.pull("count")[0] == 27.0
+
+        server.popen.kill()
+        assert server.popen.wait(EXIT_TIMEOUT_S) == -signal.SIGKILL
+        # A push while the server is down retries until it is back, and lands exactly once.
+        waiting = threading.Thread(target=ps.push, args=({"count": COUNT_UP},))
+        waiting.start()
+        again = spawn([*SERVER, "--port", server_address.rsplit(":", 1)[1], "--coordinator",
+                       coordinator_address, "--server-id", "s0", "--grace", "1",
+                       "--heartbeat-interval", "0.2"])
+        again.wait_for_address()
+        waiting.join(START_TIMEOUT_S)
+        assert not waiting.is_alive()
+        assert ps.pull("count")[0] == 21.0  # the checkpoint's 20, then the retried push
+        for _ in range(9):
+            ps.push({"count": COUNT_UP})
+        assert ps.pull("count")[0] == 30.0
+
+    assert re.search(r"restored variable 'count' shard 0 .* from checkpoint .*"
+                     + info["id"] + r" \(step", again.stderr())
+    assert again.terminate_and_wait() == 0
+    assert coordinator.terminate_and_wait() == 0

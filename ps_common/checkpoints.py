@@ -1,0 +1,425 @@
+"""The checkpoint format on disk: safetensors files per server, a ledger file per server, and
+a manifest written last. Shared by servers (which write their shards and read rows back) and
+the coordinator (which writes the manifest, picks the newest good checkpoint and prunes old
+ones). No grpc here.
+
+    DIR/ckpt-000000000007/
+        ps-0.safetensors      tensors "<variable>/<index>" (values) and "<variable>/<index>/<slot>"
+        ps-0.ledger.json      the server's exactly-once ledger, cut together with its values
+        ...
+        manifest.json         variables, shards (row ranges, files), checksums, job progress
+
+Every file is written to a temporary name, fsynced and renamed, and the manifest comes last:
+a directory without a manifest is an unfinished checkpoint and is never read. Files are
+written as they are produced (a shard at a time, never the whole server in memory) with
+their sha256 computed on the way, and read back through a memory map, so restoring a few
+rows of a large variable reads only those rows. The tensor files are plain safetensors:
+`safetensors.numpy.load_file` and every tool built on it reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ps_common.shardmap import Component, VariableSpec
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+ID_PREFIX = "ckpt-"
+FORMAT = "paramserve-checkpoint"
+VERSION = 1
+_SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16"}
+_NUMPY_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+_HASH_BLOCK = 4 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, unfinished, corrupt or does not fit what is asked of it."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    variable: str
+    index: int
+    row_start: int
+    row_stop: int
+    server_id: str
+    file: str
+    updates: int
+    optimizer_steps: int
+
+
+@dataclass
+class Manifest:
+    id: str
+    step: int
+    epoch: int  # the shard-map epoch the checkpoint describes
+    created_unix_s: float
+    variables: dict[str, VariableSpec]
+    shards: list[ShardRecord]
+    files: dict[str, FileRecord]
+    ledgers: dict[str, str] = field(default_factory=dict)  # server_id -> ledger file
+    job: dict | None = None  # the job's progress when the checkpoint was taken
+    directory: Path | None = None  # where it was read from (not stored)
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
+
+    def shards_of(self, variable: str) -> list[ShardRecord]:
+        return sorted((s for s in self.shards if s.variable == variable),
+                      key=lambda s: s.row_start)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": FORMAT, "version": VERSION, "id": self.id, "step": self.step,
+            "epoch": self.epoch, "created_unix_s": self.created_unix_s,
+            "variables": {n: spec_to_json(s) for n, s in self.variables.items()},
+            "shards": [asdict(s) for s in self.shards],
+            "files": {n: asdict(f) for n, f in self.files.items()},
+            "ledgers": self.ledgers, "job": self.job,
+        }, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, directory: Path | None = None) -> "Manifest":
+        try:
+            doc = json.loads(text)
+            if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+                raise CheckpointError(f"not a {FORMAT} version {VERSION} manifest")
+            return cls(
+                id=doc["id"], step=int(doc["step"]), epoch=int(doc["epoch"]),
+                created_unix_s=float(doc["created_unix_s"]),
+                variables={n: spec_from_json(s) for n, s in doc["variables"].items()},
+                shards=[ShardRecord(**s) for s in doc["shards"]],
+                files={n: FileRecord(**f) for n, f in doc["files"].items()},
+                ledgers=dict(doc.get("ledgers", {})), job=doc.get("job"), directory=directory)
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"malformed manifest: {error}") from error
+
+
+def spec_to_json(spec: VariableSpec) -> dict:
+    return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype,
+            "initializer": {"name": spec.initializer.name, **dict(spec.initializer.params)},
+            "optimizer": {"name": spec.optimizer.name, **dict(spec.optimizer.params)},
+            "seed": spec.seed}
+
+
+def spec_from_json(doc: dict) -> VariableSpec:
+    return VariableSpec(doc["name"], tuple(int(d) for d in doc["shape"]), doc["dtype"],
+                        Component.of(doc["initializer"]), Component.of(doc["optimizer"]),
+                        int(doc["seed"]))
+
+
+def values_name(variable: str, index: int) -> str:
+    return f"{variable}/{index}"
+
+
+def slot_name(variable: str, index: int, slot: str) -> str:
+    return f"{variable}/{index}/{slot}"
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingFile:
+    """A file being written under a temporary name; `commit` makes it durable and visible."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self._tmp = Path(tmp)
+        self._file = os.fdopen(fd, "wb")
+        self._hash = hashlib.sha256()
+        self._bytes = 0
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self._file.write(view)
+        self._bytes += len(view)
+
+    def commit(self) -> FileRecord:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        fsync_directory(self.path.parent)
+        return FileRecord(self.path.name, self._bytes, self._hash.hexdigest())
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+def write_json(path: Path, doc) -> FileRecord:
+    out = _HashingFile(path)
+    try:
+        out.write(json.dumps(doc, sort_keys=True).encode())
+        return out.commit()
+    except BaseException:
+        out.abort()
+        raise
+
+
+class TensorFileWriter:
+    """Streams a safetensors file: the header (every tensor's dtype and shape) first, then
+    each tensor's bytes, in the order the tensors were listed, as `write` is called."""
+
+    def __init__(self, path: Path, tensors: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str]):
+        header: dict = {"__metadata__": metadata}
+        offset = 0
+        self._expected: list[tuple[str, int]] = []
+        for name, dtype, shape in tensors:
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            self._expected.append((name, size))
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        self._out = _HashingFile(path)
+        self._out.write(struct.pack("<Q", len(encoded)) + encoded)
+        self._next = 0
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        expected, size = self._expected[self._next]
+        if name != expected or array.nbytes != size:
+            raise ValueError(f"tensor {name!r} ({array.nbytes} bytes) written where "
+                             f"{expected!r} ({size} bytes) was announced")
+        self._out.write(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+        self._next += 1
+
+    def commit(self) -> FileRecord:
+        if self._next != len(self._expected):
+            raise ValueError(f"{len(self._expected) - self._next} announced tensor(s) not written")
+        return self._out.commit()
+
+    def abort(self) -> None:
+        self._out.abort()
+
+
+# ---- reading -------------------------------------------------------------------------------
+
+class TensorFile:
+    """A safetensors file read through a memory map (only the rows asked for are read)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > 100 << 20:
+                    raise CheckpointError(f"{path}: header of {length} bytes")
+                self._header = json.loads(f.read(length))
+            self._data_start = 8 + length
+            self._size = path.stat().st_size
+        except (OSError, ValueError, struct.error) as error:
+            raise CheckpointError(f"cannot read {path}: {error}") from error
+
+    def array(self, name: str) -> np.ndarray:
+        entry = self._header.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        start, stop = entry["data_offsets"]
+        dtype = np.dtype(_NUMPY_DTYPES[entry["dtype"]])
+        shape = tuple(entry["shape"])
+        if self._data_start + stop > self._size:
+            raise CheckpointError(f"{self.path} is truncated (tensor {name!r})")
+        if stop == start:
+            return np.zeros(shape, dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self._data_start + start,
+                         shape=shape)
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+def verify_file(directory: Path, record: FileRecord) -> None:
+    path = directory / record.name
+    try:
+        size, digest = file_digest(path)
+    except OSError as error:
+        raise CheckpointError(f"{path}: {error.strerror or error}") from error
+    if size != record.bytes:
+        raise CheckpointError(f"{path} has {size} bytes, the manifest says {record.bytes} "
+                              "(truncated or overwritten)")
+    if digest != record.sha256:
+        raise CheckpointError(f"{path} does not match its sha256 checksum (altered or corrupt)")
+
+
+def load_manifest(directory: Path) -> Manifest:
+    try:
+        text = (directory / MANIFEST).read_text()
+    except OSError as error:
+        raise CheckpointError(f"{directory / MANIFEST}: {error.strerror or error}") from error
+    manifest = Manifest.from_json(text, directory)
+    if manifest.id != directory.name:
+        raise CheckpointError(f"{directory / MANIFEST} names checkpoint {manifest.id!r}")
+    return manifest
+
+
+def verify(directory: Path) -> Manifest:
+    """The manifest, once every file it lists matches its size and checksum."""
+    manifest = load_manifest(directory)
+    for record in manifest.files.values():
+        verify_file(directory, record)
+    return manifest
+
+
+class RowSource:
+    """Reads rows of variables from one checkpoint, verifying each file it opens once."""
+
+    def __init__(self, directory: Path):
+        self.manifest = load_manifest(directory)
+        self.directory = directory
+        self._files: dict[str, TensorFile] = {}
+
+    def _file(self, name: str) -> TensorFile:
+        if name not in self._files:
+            record = self.manifest.files.get(name)
+            if record is None:
+                raise CheckpointError(f"{self.directory / MANIFEST} lists no file {name!r}")
+            verify_file(self.directory, record)
+            self._files[name] = TensorFile(self.directory / name)
+        return self._files[name]
+
+    def load(self, spec: VariableSpec, row_start: int, row_stop: int,
+             slots: dict[str, np.ndarray]) -> tuple[np.ndarray, int, int]:
+        """Rows [row_start, row_stop) of `spec`'s values (returned) and of each slot (copied
+        into `slots`, made by the caller with the right dtype and shape). Also returns the
+        updates and the optimizer step count: the largest of the checkpointed shards read."""
+        saved = self.manifest.variables.get(spec.name)
+        if saved != spec:
+            raise CheckpointError(f"checkpoint {self.manifest.id} holds {spec.name!r} as "
+                                  f"{saved.describe() if saved else 'nothing'}, not "
+                                  f"{spec.describe()}")
+        values = np.empty((row_stop - row_start, *spec.shape[1:]), dtype=spec.dtype)
+        covered, updates, steps = 0, 0, 0
+        for record in self.manifest.shards_of(spec.name):
+            lo, hi = max(row_start, record.row_start), min(row_stop, record.row_stop)
+            if lo >= hi:
+                continue
+            source = self._file(record.file)
+            src = slice(lo - record.row_start, hi - record.row_start)
+            dst = slice(lo - row_start, hi - row_start)
+            values[dst] = source.array(values_name(spec.name, record.index))[src]
+            for slot, target in slots.items():
+                target[dst] = source.array(slot_name(spec.name, record.index, slot))[src]
+            covered += hi - lo
+            updates, steps = max(updates, record.updates), max(steps, record.optimizer_steps)
+        if covered != row_stop - row_start:
+            raise CheckpointError(f"checkpoint {self.manifest.id} covers {covered} of rows "
+                                  f"{row_start}:{row_stop} of {spec.name!r}")
+        return values, updates, steps
+
+    def ledger(self, server_id: str) -> dict | None:
+        name = self.manifest.ledgers.get(server_id)
+        if name is None:
+            return None
+        verify_file(self.directory, self.manifest.files[name])
+        return json.loads((self.directory / name).read_text())
+
+
+# ---- the checkpoint directory ----------------------------------------------------------
+
+def checkpoint_ids(root: Path) -> list[str]:
+    """Every checkpoint directory under `root`, oldest first (finished or not)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith(ID_PREFIX) and p.name[len(ID_PREFIX):].isdigit())
+
+
+def new_checkpoint_dir(root: Path) -> Path:
+    """A new, empty checkpoint directory, numbered after every existing one."""
+    root.mkdir(parents=True, exist_ok=True)
+    ids = checkpoint_ids(root)
+    number = int(ids[-1][len(ID_PREFIX):]) + 1 if ids else 1
+    while True:
+        path = root / f"{ID_PREFIX}{number:012d}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            number += 1
+
+
+def newest_good(root: Path) -> tuple[Manifest | None, list[tuple[str, str]]]:
+    """The newest finished checkpoint whose files all match their checksums, and the newer
+    ones skipped, each with why."""
+    skipped = []
+    for cid in reversed(checkpoint_ids(root)):
+        if not (root / cid / MANIFEST).exists():
+            continue  # unfinished: never was a checkpoint
+        try:
+            return verify(root / cid), skipped
+        except CheckpointError as error:
+            skipped.append((cid, str(error)))
+    return None, skipped
+
+
+def prune(root: Path, keep: int, protect: str = "") -> list[str]:
+    """Delete all but the newest `keep` finished checkpoints, and unfinished ones older than
+    the newest finished one (a crash left them). `protect` is never deleted."""
+    ids = checkpoint_ids(root)
+    finished = [c for c in ids if (root / c / MANIFEST).exists()]
+    keep_ids = set(finished[-keep:]) if keep > 0 else set()
+    newest = finished[-1] if finished else ""
+    removed = []
+    for cid in ids:
+        if cid in keep_ids or cid == protect or (cid not in finished and cid > newest):
+            continue
+        # The manifest goes first: a half-removed checkpoint is an unfinished one, never a
+        # corrupt finished one.
+        with contextlib.suppress(FileNotFoundError):
+            (root / cid / MANIFEST).unlink()
+        shutil.rmtree(root / cid, ignore_errors=True)
+        removed.append(cid)
+    return removed
+
+
+def write_manifest(manifest: Manifest) -> None:
+    assert manifest.directory is not None
+    out = _HashingFile(manifest.directory / MANIFEST)
+    try:
+        out.write(manifest.to_json().encode())
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+

@@ -1,0 +1,215 @@
+"""Taking checkpoints (every --checkpoint-every, on request, at the end of a job) and knowing
+which one to restore from.
+
+A checkpoint is taken at one shard-map epoch: every server holding shards writes its own
+files (its cut, see ps_server/snapshots.py), then the coordinator writes the manifest, which
+makes the checkpoint exist, and prunes all but the newest --keep-checkpoints. One is taken
+at a time. No grpc here: `save_on(member, directory, epoch)` is the call to one server.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ps_common.checkpoints import (
+    CheckpointError, FileRecord, Manifest, ShardRecord, checkpoint_ids, new_checkpoint_dir,
+    newest_good, prune, verify, write_manifest,
+)
+from ps_common.errors import CheckpointFailed, NotReady, PSError, StaleEpoch
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 5  # a checkpoint races a map change at most this often before it gives up
+
+
+@dataclass(frozen=True)
+class Interval:
+    """--checkpoint-every: `seconds` or `steps` (exactly one is set)."""
+
+    seconds: float = 0.0
+    steps: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "Interval":
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|seconds?|m|min|steps?)?\s*", text)
+        if not match:
+            raise ValueError(f"--checkpoint-every {text!r}: expected seconds (e.g. 30s, 5m) "
+                             "or steps (e.g. 500steps)")
+        number, unit = float(match.group(1)), (match.group(2) or "s")
+        if number <= 0:
+            raise ValueError(f"--checkpoint-every {text!r} must be > 0")
+        if unit.startswith("step"):
+            if number != int(number):
+                raise ValueError(f"--checkpoint-every {text!r}: steps must be a whole number")
+            return cls(steps=int(number))
+        return cls(seconds=number * (60 if unit.startswith("m") else 1))
+
+    def describe(self) -> str:
+        return f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
+
+
+class Catalog:
+    """The checkpoint to restore from: the newest good one, or an older one once a newer
+    one turned out unreadable. Thread-safe."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._lock = threading.Lock()
+        self._bad: set[str] = set()
+        manifest, skipped = newest_good(root)
+        for cid, why in skipped:
+            self._bad.add(cid)
+            log.error("checkpoint %s is unusable (%s); skipping it", root / cid, why)
+        self._current = manifest
+        if manifest is not None:
+            log.info("newest good checkpoint: %s (step %d, %d variable(s))", manifest.directory,
+                     manifest.step, len(manifest.variables))
+
+    def current(self) -> Manifest | None:
+        with self._lock:
+            return self._current
+
+    def adopt(self, manifest: Manifest) -> None:
+        """A checkpoint just written (and so known good) becomes the one to restore from."""
+        with self._lock:
+            self._current = manifest
+
+    def fall_back(self, reason: str) -> Manifest | None:
+        """The current checkpoint cannot be read after all: the previous good one, if any."""
+        with self._lock:
+            failed = self._current
+            if failed is None:
+                return None
+            self._bad.add(failed.id)
+            for cid in reversed(checkpoint_ids(self.root)):
+                if cid in self._bad or cid >= failed.id:
+                    continue
+                try:
+                    self._current = verify(self.root / cid)
+                except CheckpointError as error:
+                    self._bad.add(cid)
+                    log.error("checkpoint %s is unusable (%s); skipping it", cid, error)
+                    continue
+                log.error("checkpoint %s cannot be restored (%s); using the previous good "
+                          "checkpoint %s (step %d)", failed.id, reason, cid, self._current.step)
+                return self._current
+            self._current = None
+            log.error("checkpoint %s cannot be restored (%s) and no older good checkpoint "
+                      "is left", failed.id, reason)
+            return None
+
+
+@dataclass(frozen=True)
+class SavedPart:
+    """One server's answer to SaveCheckpoint."""
+
+    files: list[FileRecord]
+    shards: dict[tuple[str, int], tuple[int, int, str]]  # key -> (updates, steps, file)
+
+
+class Checkpointer:
+    """Takes checkpoints into `catalog.root`. `save_on(server_id, address, directory,
+    epoch) -> SavedPart` asks one server to write its part; `progress()` returns (step,
+    job state as plain values or None)."""
+
+    def __init__(self, catalog: Catalog, state, sync: Callable[[], object],
+                 save_on: Callable[[str, str, Path, int], SavedPart],
+                 progress: Callable[[], tuple[int, dict | None]], *, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"--keep-checkpoints {keep} must be >= 1")
+        self.catalog = catalog
+        self._state = state
+        self._sync = sync
+        self._save_on = save_on
+        self._progress = progress
+        self._keep = keep
+        self._lock = threading.Lock()  # one checkpoint at a time
+        self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ps-ckpt")
+        self.last: Manifest | None = catalog.current()
+        self.last_taken_at_step = self.last.step if self.last else 0
+
+    def take(self, reason: str) -> Manifest:
+        """A complete checkpoint of every shard, now. Raises CheckpointFailed."""
+        with self._lock:
+            error: PSError | None = None
+            for _ in range(ATTEMPTS):
+                try:
+                    return self._take_once(reason)
+                except (StaleEpoch, NotReady) as raced:  # the map moved: take it again
+                    error = raced
+                    time.sleep(0.2)
+            raise CheckpointFailed(f"no checkpoint after {ATTEMPTS} attempts: {error}")
+
+    def _take_once(self, reason: str) -> Manifest:
+        self._sync()  # every server at the current epoch before it is asked for its cut
+        shard_map = self._state.shard_map
+        step, job = self._progress()
+        holders = sorted({s.server_id for shards in shard_map.shards.values() for s in shards})
+        started = time.monotonic()
+        directory = new_checkpoint_dir(self.catalog.root)
+        try:
+            parts = {sid: self._pool.submit(self._save_on, sid, shard_map.servers.get(sid, ""),
+                                            directory, shard_map.epoch) for sid in holders}
+            saved = {sid: part.result() for sid, part in parts.items()}
+            shards, files = [], {}
+            for sid, part in saved.items():
+                files.update({f.name: f for f in part.files})
+            for name, placed in shard_map.shards.items():
+                for shard in placed:
+                    got = saved[shard.server_id].shards.get(shard.key)
+                    if got is None:
+                        raise CheckpointFailed(f"server {shard.server_id} did not save shard "
+                                               f"{shard.index} of {name!r}")
+                    updates, steps, file = got
+                    shards.append(ShardRecord(name, shard.index, shard.row_start,
+                                              shard.row_stop, shard.server_id, file, updates,
+                                              steps))
+            manifest = Manifest(
+                id=directory.name, step=step, epoch=shard_map.epoch, created_unix_s=time.time(),
+                variables=dict(shard_map.variables), shards=shards, files=files,
+                ledgers={sid: f"{sid}.ledger.json" for sid in holders}, job=job,
+                directory=directory)
+            write_manifest(manifest)
+        except BaseException:
+            prune(self.catalog.root, self._keep, protect=self.last.id if self.last else "")
+            raise
+        self.last, self.last_taken_at_step = manifest, step
+        self.catalog.adopt(manifest)
+        removed = prune(self.catalog.root, self._keep, protect=manifest.id)
+        log.info("checkpoint %s complete (%s): step %d, %d shard(s), %.1f MiB in %.2f s%s",
+                 manifest.id, reason, step, len(shards), manifest.bytes / 2**20,
+                 time.monotonic() - started,
+                 f"; removed {', '.join(removed)}" if removed else "")
+        return manifest
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_periodically(checkpointer: Checkpointer, every: Interval, steps: Callable[[], int],
+                     stopping: threading.Event, paused: Callable[[], bool]) -> None:
+    """Take a checkpoint every `every` until `stopping` is set (a thread's body)."""
+    last_time, last_step = time.monotonic(), checkpointer.last_taken_at_step
+    while not stopping.wait(0.2):
+        if paused():
+            continue
+        since = steps() - max(last_step, checkpointer.last_taken_at_step)
+        due = (since >= every.steps if every.steps
+               else time.monotonic() - last_time >= every.seconds)
+        if not due:
+            continue
+        try:
+            checkpointer.take(f"every {every.describe()}")
+        except PSError as error:
+            log.error("periodic checkpoint failed: %s; trying again at the next interval",
+                      error.message)
+        except OSError as error:
+            log.error("periodic checkpoint failed: %s; trying again at the next interval", error)
+        last_time, last_step = time.monotonic(), steps()
