@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -182,3 +183,47 @@ def test_pushes_during_a_checkpoint_are_in_it_with_their_ledger_entries_or_not_a
         ledger = source.ledger(server_id)
         incarnation, floor, applied = ledger["clients"]["counter"]
         assert value[0] == floor + len(applied), (manifest.id, value, ledger)
+
+
+def test_a_server_gone_past_the_server_timeout_has_its_shards_moved_from_the_checkpoint(
+        make_cluster, tmp_path, caplog):
+    cluster = make_cluster(servers=2, checkpoint_dir=tmp_path, server_timeout_s=0.5)
+    with PSClient(cluster.coordinator_address, retry=PATIENT) as ps:
+        ps.declare("a", shape=(6,), init="zeros", optimizer=SGD1)
+        ps.declare("b", shape=(6,), init="zeros", optimizer=SGD1)
+        lost = ps.shard_map.shards_of("a")[0].server_id
+        b_lost = ps.shard_map.shards_of("b")[0].server_id == lost
+        for _ in range(2):
+            ps.push({"a": np.ones(6, np.float32), "b": np.ones(6, np.float32)})
+        cluster.checkpoint()
+        ps.push({"a": np.ones(6, np.float32), "b": np.ones(6, np.float32)})
+        epoch = ps.shard_map.epoch
+        with caplog.at_level(logging.WARNING):
+            next(s for s in cluster.servers if s.server_id == lost).stop(grace_s=0.5)
+            moved = cluster.coordinator.state
+            deadline = time.monotonic() + 30  # heartbeat timeout + server timeout, polled
+            while ps.refresh().epoch == epoch or any(
+                    s.server_id == lost for n in ("a", "b") for s in ps.shard_map.shards_of(n)):
+                assert time.monotonic() < deadline, "the lost server's shards never moved"
+                time.sleep(0.05)
+        survivor = next(s for s in cluster.servers if s.server_id != lost)
+        assert {s.server_id for n in ("a", "b") for s in ps.shard_map.shards_of(n)} == {
+            survivor.server_id}
+        # "a" comes back as checkpointed (-2; the push after it was lost with its server);
+        # "b", unless it was on the same server, never left its live one (-3).
+        np.testing.assert_array_equal(ps.pull("a"), np.full(6, -2.0, np.float32))
+        np.testing.assert_array_equal(ps.pull("b"), np.full(6, -2.0 if b_lost else -3.0,
+                                                            np.float32))
+        ps.push({"a": np.ones(6, np.float32)})
+        np.testing.assert_array_equal(ps.pull("a"), np.full(6, -3.0, np.float32))
+    assert moved.data_loss == ""
+    assert any("move to live servers from checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_without_a_checkpoint_a_lost_server_still_fails_the_job_with_data_loss(make_cluster):
+    cluster = make_cluster(servers=2)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.push({"w": np.ones(4, np.float32)})
+        cluster.restart_server(holder_index(cluster, ps, "w"))
+    assert "has no --checkpoint-dir" in cluster.coordinator.state.data_loss

@@ -641,3 +641,44 @@ def test_a_server_that_never_comes_back_fails_the_job_naming_it(cluster):
     assert "lost contact with parameter server ps-1" in log
     worker.wait(EXIT_S)
     assert "Traceback" not in worker.stderr()
+
+
+def test_coordinator_sigkilled_with_a_checkpoint_dir_resumes_the_job_where_it_was(
+        cluster, tmp_path):
+    """Job progress is kept in the checkpoint directory: the restarted coordinator (same
+    command, same port) carries on from the tasks already done, and the job ends with a
+    checkpoint of its final values."""
+    checkpoints = tmp_path / "checkpoints"
+    ckpt_args = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1s")
+    c = cluster(SLOW_JOB, coordinator_args=ckpt_args)
+    workers = [c.start_worker(f"w{i}") for i in range(2)]
+    progress = wait_for(c.observer, lambda s: s["job"]["tasks_done"] >= 6
+                        and s["last_checkpoint"] is not None, "progress and a checkpoint",
+                        watch=(*c.daemons, *workers))
+    c.observer.close()
+    c.coordinator.signal(signal.SIGKILL)
+    assert c.coordinator.wait(EXIT_S) == -signal.SIGKILL
+    port = c.address.rsplit(":", 1)[1]
+    restarted = c.launch(
+        "coordinator-2", "ps_server.coordinator.cli", "--port", port, "--recovery-grace", "0",
+        "--heartbeat-interval", str(HEARTBEAT_S), "--heartbeat-timeout",
+        str(HEARTBEAT_TIMEOUT_S), *ckpt_args, *SLOW_JOB)
+    assert restarted.address() == c.address
+    observer = Observer(c.address)
+    try:
+        resumed = observer.status()
+        # Not started over: at least what was done before the kill, less what was in the
+        # last half second that the state file had not caught yet.
+        assert resumed["job"]["tasks_done"] >= progress["job"]["tasks_done"] - 2, resumed
+        status = wait_for(observer, job_over, "the job to end",
+                          watch=(restarted, *c.servers, *workers))
+        assert status["job"]["state"] == "done", status
+        assert status["job"]["tasks_done"] == SLOW_JOB_TASKS
+        assert all(s["state_losses"] == 0 for s in status["servers"])
+    finally:
+        observer.release()
+        observer.close()
+    assert_exit_0([restarted, *c.servers, *workers], timeout=JOB_S)
+    assert "resumed the job from" in restarted.stderr()
+    final = json.loads(sorted(checkpoints.glob("ckpt-*/manifest.json"))[-1].read_text())
+    assert final["job"]["state"] == "done"

@@ -1,0 +1,119 @@
+"""A server's checkpoint cut: the update gate, copy-on-write within a memory bound, and the
+files it writes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ps_common.checkpoints import TensorFile, slot_name, values_name
+from ps_common.shardmap import Component, Shard, VariableSpec
+from ps_server.ledger import PushLedger
+from ps_server.snapshots import Capture, UpdateGate, save, shard_bytes
+from ps_server.store import ShardStore
+
+WAIT_S = 10.0
+ADAM = Component("adam", (("lr", 0.1),))
+
+
+def store_with(*names: str, rows: int = 4) -> ShardStore:
+    store = ShardStore()
+    specs = {n: VariableSpec(n, (rows, 2), optimizer=ADAM) for n in names}
+    store.assign(1, specs, [Shard(n, 0, 0, rows, "s") for n in names])
+    return store
+
+
+def push(store: ShardStore, name: str) -> None:
+    (held,) = store.lookup([(name, 0)])
+    store.apply([held], [np.ones(held.shape, np.float32)])
+
+
+def test_a_cut_waits_for_pushes_inside_the_gate_and_holds_new_ones_back():
+    gate = UpdateGate()
+    inside, cut_taken, late_in = threading.Event(), threading.Event(), threading.Event()
+    release = threading.Event()
+
+    def pusher():
+        with gate.shared():
+            inside.set()
+            release.wait(WAIT_S)
+
+    def cutter():
+        with gate.exclusive():
+            cut_taken.set()
+
+    def late():
+        with gate.shared():
+            late_in.set()
+
+    first = threading.Thread(target=pusher)
+    first.start()
+    assert inside.wait(WAIT_S)
+    cut = threading.Thread(target=cutter)
+    cut.start()
+    second = threading.Thread(target=late)
+    # The cutter is waiting (it cannot be seen directly): wait until it registers.
+    deadline = time.monotonic() + WAIT_S
+    while not gate._cut_waiting:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    second.start()
+    assert not cut_taken.is_set() and not late_in.is_set()
+    release.set()
+    for t in (first, cut, second):
+        t.join(WAIT_S)
+    assert cut_taken.is_set() and late_in.is_set()
+
+
+def test_a_push_preserves_the_shard_as_it_was_at_the_cut():
+    store = store_with("a")
+    push(store, "a")
+    (held,) = store.held()
+    at_cut = (held.values.copy(), held.state.slots["m"].copy(), held.state.steps)
+    capture = Capture([held], memory_bytes=shard_bytes(held))
+    store.begin_capture(capture)
+    push(store, "a")  # changes the live shard only after copying it
+    copy, fits = capture.take(held)
+    assert fits and copy is not None
+    np.testing.assert_array_equal(copy.values, at_cut[0])
+    np.testing.assert_array_equal(copy.slots["m"], at_cut[1])
+    assert copy.optimizer_steps == at_cut[2] == 1
+    assert held.state.steps == 2
+
+
+def test_past_its_memory_bound_a_push_waits_for_the_writer_instead_of_copying():
+    store = store_with("a", "b")
+    a, b = sorted(store.held(), key=lambda h: h.key)
+    capture = Capture([a, b], memory_bytes=shard_bytes(a))
+    store.begin_capture(capture)
+    push(store, "a")  # fits: copied
+    b_before = b.values.copy()
+    pushed = threading.Event()
+    t = threading.Thread(target=lambda: (push(store, "b"), pushed.set()))
+    t.start()
+    assert not pushed.wait(0.2)  # waiting (a push never copies past the bound)
+    np.testing.assert_array_equal(b.values, b_before)
+    capture.written(b, 0)  # the writer has written b
+    assert pushed.wait(WAIT_S)
+    t.join(WAIT_S)
+    assert not np.array_equal(b.values, b_before)
+
+
+@pytest.mark.parametrize("memory_bytes", [0, 1 << 20])
+def test_save_writes_every_shard_and_slot_as_of_the_cut(tmp_path, memory_bytes):
+    store = store_with("a", "b")
+    ledger = PushLedger()
+    with ledger.exactly_once("c", 1, 1, 0):
+        push(store, "a")
+    expected = {h.key: (h.values.copy(), h.state.slots["v"].copy()) for h in store.held()}
+    outcome = save(store, ledger, tmp_path, "s", epoch=1, memory_bytes=memory_bytes)
+    assert {f.name for f in outcome.files} == {"s.safetensors", "s.ledger.json"}
+    assert outcome.pushes_recorded == 1
+    tensors = TensorFile(tmp_path / "s.safetensors")
+    for (name, index), (values, v) in expected.items():
+        np.testing.assert_array_equal(tensors.array(values_name(name, index)), values)
+        np.testing.assert_array_equal(tensors.array(slot_name(name, index, "v")), v)
+    assert {s.variable: s.optimizer_steps for s in outcome.shards} == {"a": 1, "b": 0}
