@@ -179,7 +179,13 @@ def save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int,
          memory_bytes: int = DEFAULT_MEMORY_BYTES) -> SaveOutcome:
     """Write this server's cut into `directory`: `<server_id>.safetensors` and
     `<server_id>.ledger.json`. Raises StaleEpoch or NotReady when the server is not at
-    `epoch`."""
+    `epoch`. One at a time: pushes preserve shards for one cut only."""
+    with store.saving:
+        return _save(store, ledger, directory, server_id, epoch, memory_bytes)
+
+
+def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int,
+          memory_bytes: int) -> SaveOutcome:
     with store.gate.exclusive():
         store.check_epoch(epoch)
         shards = sorted(store.held(), key=lambda h: h.key)

@@ -68,6 +68,7 @@ class ShardStore:
         # holds it exclusive (snapshots.py).
         self.gate = UpdateGate()
         self._capture = None  # the checkpoint being written, if any
+        self.saving = threading.Lock()  # one checkpoint at a time (snapshots.save)
 
     def begin_capture(self, capture) -> None:
         with self._lock:

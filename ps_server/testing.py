@@ -110,8 +110,8 @@ class InProcessCluster:
     them from their initializers with `reinitialize_lost_shards=True`.
     `restart_coordinator()` replaces the coordinator with a fresh one on the same port.
     With `checkpoint_dir`, the coordinator takes checkpoints there (`checkpoint()` takes one
-    now; periodic ones every `checkpoint_every`, hourly by default) and a restarted server
-    gets its shards back from the newest one.
+    now; periodic ones only with `checkpoint_every`) and a restarted server gets its shards
+    back from the newest one.
     """
 
     def __init__(self, servers: int = 2, *, split_threshold_bytes: int = 64 * 1024 * 1024,
@@ -121,7 +121,7 @@ class InProcessCluster:
                  server_timeout_s: float = 60.0, max_streams: int | None = None,
                  stream_idle_timeout_s: float | None = None,
                  checkpoint_dir: str | Path | None = None,
-                 checkpoint_every: Interval = Interval(seconds=3600.0)):
+                 checkpoint_every: Interval | None = None):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,

@@ -52,7 +52,8 @@ class CoordinatorConfig:
     # Checkpoints of every shard go here (a directory every server can reach); None: no
     # checkpoints, and a server that restarts has lost its values.
     checkpoint_dir: Path | None = None
-    checkpoint_every: Interval = Interval(seconds=60.0)
+    # None: only on request (ps-ctl checkpoint) and at the end of the job.
+    checkpoint_every: Interval | None = Interval(seconds=60.0)
     keep_checkpoints: int = 3
     # The coordinator's own state (job progress) goes here; default: checkpoint_dir.
     state_dir: Path | None = None
@@ -198,7 +199,7 @@ class Coordinator:
         if self._state_file is not None and self.runner.job is not None:
             threading.Thread(target=self._keep_state_saved, name="ps-coordinator-state",
                              daemon=True).start()
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and self.config.checkpoint_every is not None:
             threading.Thread(target=run_periodically, name="ps-coordinator-checkpoints",
                              args=(self.checkpointer, self.config.checkpoint_every,
                                    lambda: self.runner.snapshot()["steps"], self._stopping,
@@ -206,7 +207,7 @@ class Coordinator:
         self._watcher = threading.Thread(target=self._watch_servers,
                                          name="ps-coordinator-server-watch", daemon=True)
         self._watcher.start()
-        if self.config.job is not None and not self.config.keep_serving:
+        if self.config.job is not None:
             self._finisher = threading.Thread(
                 target=self._finish_when_job_over, name="ps-coordinator-finisher", daemon=True)
             self._finisher.start()
@@ -242,8 +243,9 @@ class Coordinator:
                 or bool(self.state.data_loss))
 
     def _finish_when_job_over(self) -> None:
-        """After the job ends, take its last checkpoint, then wait until every live member
-        has been told (or a heartbeat timeout has passed) and shut down: the process exits 0."""
+        """After the job ends, take its last checkpoint, then (unless told to keep serving)
+        wait until every live member has been told (or a heartbeat timeout has passed) and
+        shut down: the process exits 0."""
         while not self._stopping.wait(0.1):
             if self.runner.over:
                 break
@@ -257,6 +259,8 @@ class Coordinator:
                 log.error("the end-of-job checkpoint failed: %s", error)
         self._save_state()
         self._servers_may_stop.set()
+        if self.config.keep_serving:
+            return  # servers and this coordinator stay up for PSClient users
         log.info("job %s; telling workers and servers to exit", self.runner.state.value)
         deadline = self._clock.monotonic() + self.config.heartbeat_timeout_s + 2.0
         while not self._stopping.wait(0.1) and self._clock.monotonic() < deadline:

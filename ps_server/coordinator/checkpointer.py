@@ -27,6 +27,7 @@ from ps_common.errors import CheckpointFailed, NotReady, PSError, StaleEpoch
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 5  # a checkpoint races a map change at most this often before it gives up
+RETRY_AFTER_FAILURE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -135,9 +136,13 @@ class Checkpointer:
         self.last: Manifest | None = catalog.current()
         self.last_taken_at_step = self.last.step if self.last else 0
 
-    def take(self, reason: str) -> Manifest:
-        """A complete checkpoint of every shard, now. Raises CheckpointFailed."""
+    def take(self, reason: str, *, unless: Callable[[], bool] = lambda: False) -> Manifest | None:
+        """A complete checkpoint of every shard, now. Raises CheckpointFailed. `unless`,
+        looked at once no other checkpoint is being taken, skips it (returns None): a
+        periodic checkpoint that another one, taken meanwhile, made unnecessary."""
         with self._lock:
+            if unless():
+                return None
             error: PSError | None = None
             for _ in range(ATTEMPTS):
                 try:
@@ -189,27 +194,41 @@ class Checkpointer:
                  f"; removed {', '.join(removed)}" if removed else "")
         return manifest
 
+    def uncovered(self) -> list[str]:
+        """Variables of the shard map that the newest checkpoint does not hold (as declared)."""
+        held = self.last.variables if self.last else {}
+        return [name for name, spec in self._state.shard_map.variables.items()
+                if held.get(name) != spec]
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_periodically(checkpointer: Checkpointer, every: Interval, steps: Callable[[], int],
                      stopping: threading.Event, paused: Callable[[], bool]) -> None:
-    """Take a checkpoint every `every` until `stopping` is set (a thread's body)."""
-    last_time, last_step = time.monotonic(), checkpointer.last_taken_at_step
+    """Take a checkpoint every `every` until `stopping` is set (a thread's body). A variable
+    no checkpoint holds yet goes into one at once: until then, losing its server would lose
+    it, rather than at most one interval of its training."""
+    last = {"time": time.monotonic(), "step": checkpointer.last_taken_at_step}
+    not_before = 0.0  # after a failure, a pause before the next try
+
+    def due() -> str:
+        if checkpointer.uncovered():
+            return "new variables"
+        if every.steps:
+            since = steps() - max(last["step"], checkpointer.last_taken_at_step)
+            return f"every {every.describe()}" if since >= every.steps else ""
+        return f"every {every.describe()}" if (
+            time.monotonic() - last["time"] >= every.seconds) else ""
+
     while not stopping.wait(0.2):
-        if paused():
-            continue
-        since = steps() - max(last_step, checkpointer.last_taken_at_step)
-        due = (since >= every.steps if every.steps
-               else time.monotonic() - last_time >= every.seconds)
-        if not due:
+        reason = "" if paused() or time.monotonic() < not_before else due()
+        if not reason:
             continue
         try:
-            checkpointer.take(f"every {every.describe()}")
-        except PSError as error:
-            log.error("periodic checkpoint failed: %s; trying again at the next interval",
-                      error.message)
-        except OSError as error:
-            log.error("periodic checkpoint failed: %s; trying again at the next interval", error)
-        last_time, last_step = time.monotonic(), steps()
+            checkpointer.take(reason, unless=lambda: not due())
+        except (PSError, OSError) as error:
+            not_before = time.monotonic() + RETRY_AFTER_FAILURE_S
+            log.error("checkpoint (%s) failed: %s; trying again in %g s", reason,
+                      getattr(error, "message", error), RETRY_AFTER_FAILURE_S)
+        last.update(time=time.monotonic(), step=steps())

@@ -19,7 +19,9 @@ from ps_server.coordinator.checkpointer import Interval
 log = logging.getLogger("ps-coordinator")
 
 
-def checkpoint_interval(text: str) -> Interval:
+def checkpoint_interval(text: str) -> Interval | None:
+    if text.strip().lower() == "off":
+        return None
     try:
         return Interval.parse(text)
     except ValueError as error:
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint_dir")
     g.add_argument("--checkpoint-every", type=checkpoint_interval, default=Interval(seconds=60),
                    metavar="INTERVAL", help="seconds (30s, 5m) or steps (500steps) between "
-                   "checkpoints (default 60s); one is also taken at the end of the job")
+                   "checkpoints (default 60s), or off (only ps-ctl checkpoint); one is also "
+                   "taken at the end of the job and as soon as new variables are declared")
     g.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                    help="keep the newest N checkpoints (default 3)")
     g.add_argument("--state-dir", type=Path, metavar="DIR",

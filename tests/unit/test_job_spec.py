@@ -9,6 +9,7 @@ import json
 import pytest
 
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
+from ps_server.coordinator.checkpointer import Interval
 
 
 def test_defaults():
@@ -233,3 +234,18 @@ def test_infinite_lr_is_refused():
     with pytest.raises(JobError) as caught:
         JobSpec.from_mapping({"lr": float("inf")})
     assert caught.value.field == "lr"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("30s", Interval(seconds=30.0)), ("2.5", Interval(seconds=2.5)),
+    ("5m", Interval(seconds=300.0)), ("500steps", Interval(steps=500)),
+    ("1 step", Interval(steps=1)),
+])
+def test_checkpoint_intervals_are_seconds_or_steps(text, expected):
+    assert Interval.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0s", "soon", "-5", "1.5steps", ""])
+def test_a_bad_checkpoint_interval_names_the_flag(text):
+    with pytest.raises(ValueError, match="--checkpoint-every"):
+        Interval.parse(text)
