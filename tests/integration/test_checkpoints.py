@@ -227,3 +227,25 @@ def test_without_a_checkpoint_a_lost_server_still_fails_the_job_with_data_loss(m
         ps.push({"w": np.ones(4, np.float32)})
         cluster.restart_server(holder_index(cluster, ps, "w"))
     assert "has no --checkpoint-dir" in cluster.coordinator.state.data_loss
+
+
+def test_a_checkpoint_corrupted_after_it_was_checked_falls_back_when_a_server_reads_it(
+        make_cluster, tmp_path, caplog):
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path)
+    with PSClient(cluster.coordinator_address, retry=PATIENT) as ps:
+        ps.declare("w", shape=(5,), init="zeros", optimizer=SGD1)
+        ps.push({"w": np.ones(5, np.float32)})
+        good = cluster.checkpoint()
+        ps.push({"w": np.ones(5, np.float32)})
+        bad = cluster.checkpoint()
+        path = next((tmp_path / bad.id).glob("*.safetensors"))
+        path.write_bytes(path.read_bytes()[:-4])
+        with caplog.at_level(logging.ERROR):
+            cluster.restart_server(0)
+            deadline = time.monotonic() + 30
+            while cluster.coordinator.state.shards_restored < 1:
+                assert time.monotonic() < deadline, "never restored"
+                time.sleep(0.05)
+        np.testing.assert_array_equal(ps.pull("w"), np.full(5, -1.0, np.float32))
+    assert cluster.coordinator.checkpointer.catalog.current().id == good.id
+    assert any(bad.id in r.getMessage() and good.id in r.getMessage() for r in caplog.records)
