@@ -16,8 +16,7 @@ from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_server.control import CoordinatorFence
 from ps_server.daemon import Daemon
 from ps_server.ledger import PushLedger
-from ps_server.snapshots import DEFAULT_MEMORY_BYTES
-from ps_server.memory import default_memory_budget
+from ps_server.memory import default_checkpoint_memory, default_memory_budget
 from ps_server.servicer import ParameterServerServicer, add_to_server
 from ps_server.store import ShardStore
 from ps_server.streams import StreamLimiter, handler_threads
@@ -25,7 +24,6 @@ from ps_server.streams import StreamLimiter, handler_threads
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "ps.v1.ParameterServer"
-DEFAULT_CHECKPOINT_MEMORY = DEFAULT_MEMORY_BYTES
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,8 @@ class ServerConfig:
     stream_idle_timeout_s: float = 30.0
     # Copies a checkpoint may hold at once to keep pushes going while it writes
     # (ps_server.snapshots); past it, pushes to shards not yet written wait for the writer.
-    checkpoint_memory_bytes: int = DEFAULT_CHECKPOINT_MEMORY
+    # None: 15% of the machine's or container's memory (ps_server.memory).
+    checkpoint_memory_bytes: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -60,7 +59,7 @@ class ServerConfig:
             raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be >= 0")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("--heartbeat-interval must be > 0")
-        if self.checkpoint_memory_bytes < 0:
+        if self.checkpoint_memory_bytes is not None and self.checkpoint_memory_bytes < 0:
             raise ValueError(f"--checkpoint-memory {self.checkpoint_memory_bytes} must be >= 0")
         if self.max_streams < 1:
             raise ValueError(f"--max-streams {self.max_streams} must be >= 1")
@@ -95,7 +94,10 @@ class ParameterServer:
             name=f"ps-server-{config.server_id}" if config.server_id else "ps-server")
         servicer = ParameterServerServicer(self.store, self.ledger, fence=self.fence,
                                            chunk_bytes=config.chunk_bytes, streams=self.streams,
-                                           checkpoint_memory_bytes=config.checkpoint_memory_bytes)
+                                           checkpoint_memory_bytes=(
+                                               default_checkpoint_memory()
+                                               if config.checkpoint_memory_bytes is None
+                                               else config.checkpoint_memory_bytes))
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: add_to_server(servicer, s), interceptors=interceptors,

@@ -10,7 +10,7 @@ from ps_common.cli import (
     add_daemon_arguments, fail, parse_address, parse_bytes, run_until_signal, setup_logging,
 )
 from ps_common.rpc import DEFAULT_CHUNK_BYTES
-from ps_server.app import DEFAULT_CHECKPOINT_MEMORY, ParameterServer, ServerConfig
+from ps_server.app import ParameterServer, ServerConfig
 
 log = logging.getLogger("ps-server")
 
@@ -40,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="cancel a stream whose peer sends (push) or takes (pull) nothing for "
                    "this long, freeing its slot and thread (default 30)")
-    p.add_argument("--checkpoint-memory", type=parse_bytes, default=DEFAULT_CHECKPOINT_MEMORY,
+    p.add_argument("--checkpoint-memory", type=parse_bytes, default=None,
                    help="memory a checkpoint may use for copies of shards that pushes change "
-                   "while it writes; past it those pushes wait for the writer (default 256MiB)")
+                   "while it writes; past it those pushes wait for the writer (default: 15%% "
+                   "of the machine's or container's memory, at least 256MiB)")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long RPCs in flight may finish after SIGTERM")
     return p

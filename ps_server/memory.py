@@ -39,3 +39,15 @@ def default_memory_budget() -> int:
     """
     total = machine_memory_bytes()
     return int(total * DEFAULT_BUDGET_FRACTION) if total else 0
+
+
+# Of the memory left over by the default budget, what a checkpoint may use for copies of
+# shards being pushed to while it writes (ps_server.snapshots).
+DEFAULT_CHECKPOINT_FRACTION = 0.15
+MIN_CHECKPOINT_MEMORY = 256 << 20
+
+
+def default_checkpoint_memory() -> int:
+    """15% of the machine's (or container's) memory, at least 256 MiB."""
+    total = machine_memory_bytes()
+    return max(MIN_CHECKPOINT_MEMORY, int(total * DEFAULT_CHECKPOINT_FRACTION) if total else 0)

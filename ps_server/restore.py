@@ -3,6 +3,11 @@
 The coordinator names the checkpoint and the shards; the rows of each come from whichever
 checkpointed shards held them, so a checkpoint restores onto any number of servers. Every
 file read is checked against its checksum first.
+
+A server restores all the shards it is given from one checkpoint, or none: shards of one
+server restored from two checkpoints would hold a push in one and not the other, while its
+ledger says it was applied. So everything is read before anything is created, and the
+ledger is adopted only once every shard has been read.
 """
 
 from __future__ import annotations
@@ -22,34 +27,53 @@ class ShardRestore:
     def __init__(self, checkpoint: Path, shards: set[tuple[str, int]]):
         self.checkpoint = checkpoint
         self.shards = shards
-        self._failures: dict[tuple[str, int], str] = {}
+        self.created: dict[tuple[str, int], HeldShard] = {}
+        self.error = ""  # why nothing was restored
+        self.unreadable = False  # ... because the checkpoint cannot be read
+        self.step = 0
         self._source: RowSource | None = None
-        self.restored: list[HeldShard] = []
 
-    def source(self) -> RowSource:
-        if self._source is None:
-            self._source = RowSource(self.checkpoint)
-        return self._source
-
-    def create(self, spec: VariableSpec, shard: Shard) -> HeldShard | None:
+    def prepare(self, specs: dict[str, VariableSpec], shards: list[Shard],
+                held: set[tuple[Shard, VariableSpec]]) -> None:
+        """Read every shard of `shards` named for restore that is not held already."""
+        wanted = [s for s in shards
+                  if s.key in self.shards and (s, specs[s.variable]) not in held]
+        if not wanted:
+            return
         try:
-            state = make_state(spec, shard.shape(spec))
-            values, updates, steps = self.source().load(spec, shard.row_start, shard.row_stop,
-                                                        state.slots)
+            self._source = RowSource(self.checkpoint)
+            self.step = self._source.manifest.step
+            for shard in wanted:
+                self.created[shard.key] = self._read(specs[shard.variable], shard)
         except CheckpointError as error:
-            self._failures[shard.key] = (f"cannot restore shard {shard.index} of {spec.name!r} "
-                                         f"from {self.checkpoint}: {error}")
-            return None
+            self._give_up(f"cannot restore from {self.checkpoint}: {error}", unreadable=True)
+        except MemoryError:
+            self._give_up(f"out of memory restoring from {self.checkpoint}", unreadable=False)
+
+    def _give_up(self, message: str, *, unreadable: bool) -> None:
+        self.created.clear()
+        self.error, self.unreadable = message, unreadable
+
+    def _read(self, spec: VariableSpec, shard: Shard) -> HeldShard:
+        state = make_state(spec, shard.shape(spec))
+        values, updates, steps = self._source.load(spec, shard.row_start, shard.row_stop,
+                                                   state.slots)
         state.steps = steps
         # At least one update: a restored shard holds trained values and is never dropped
         # or re-created from its initializer.
-        held = HeldShard(spec, shard, values, state, resolve_knobs(spec), updates=max(updates, 1))
-        self.restored.append(held)
-        return held
+        return HeldShard(spec, shard, values, state, resolve_knobs(spec), updates=max(updates, 1))
 
     def failure(self, shard: Shard) -> str:
-        return self._failures.get(shard.key, f"shard {shard.index} of {shard.variable!r} was "
-                                             "not restored")
+        return self.error or (f"shard {shard.index} of {shard.variable!r} was not restored "
+                              f"from {self.checkpoint}")
 
     def ledger(self, server_id: str) -> dict | None:
-        return self.source().ledger(server_id)
+        """This server's ledger from the checkpoint; only once every shard was read."""
+        if self._source is None or self.error:
+            return None
+        try:
+            return self._source.ledger(server_id)
+        except (CheckpointError, ValueError) as error:
+            self._give_up(f"cannot restore the exactly-once ledger of {server_id} from "
+                          f"{self.checkpoint}: {error}", unreadable=True)
+            return None

@@ -9,7 +9,6 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ps_common.checkpoints import CheckpointError
 from ps_common.errors import CheckpointFailed, InvalidArgument, Overloaded
 from ps_common.status import translate_errors
 from ps_common.tensors import (
@@ -104,33 +103,36 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         with translate_errors(context, "AssignShards"):
             self._fence.check(request.generation, request.control_token)
             shard_map = shardmap_from_proto(request.map)
-            restore = self._restore_plan(request)
+            mine = shard_map.shards_on(self.server_id)
+            restore = self._restore_plan(request, shard_map.variables, mine)
             outcome = self._store.assign(
-                shard_map.epoch, shard_map.variables, shard_map.shards_on(self.server_id),
-                restore)
+                shard_map.epoch, shard_map.variables, mine, restore,
+                frozenset((r.variable, r.index) for r in request.superseded))
             self._fence.remember_map(shard_map)
-            if restore is not None and restore.restored:
-                step = restore.source().manifest.step
-                for held in restore.restored:
+            if restore is not None:
+                for held in restore.created.values():
                     log.info("restored %s from checkpoint %s (step %d, %d update(s))",
-                             held.describe(), restore.checkpoint, step, held.updates)
+                             held.describe(), restore.checkpoint, restore.step, held.updates)
+                if restore.error:
+                    log.error("%s", restore.error)
+            unreadable = restore is not None and restore.unreadable
             return pb.AssignShardsReply(
                 shards_created=outcome.created,
-                failed=[pb.ShardFailure(shard=shard_to_proto(shard), message=message)
+                failed=[pb.ShardFailure(shard=shard_to_proto(shard), message=message,
+                                        checkpoint_unreadable=unreadable
+                                        and shard.key in restore.shards)
                         for shard, message in outcome.failed])
 
-    def _restore_plan(self, request: pb.AssignShardsRequest) -> ShardRestore | None:
+    def _restore_plan(self, request: pb.AssignShardsRequest, specs, mine) -> ShardRestore | None:
+        """Read what the assignment restores, all of it before anything is created, and the
+        ledger (if asked) before the shards exist: no push reaches them without it."""
         if not request.HasField("restore"):
             return None
         restore = ShardRestore(Path(request.restore.checkpoint),
                                {(r.variable, r.index) for r in request.restore.shards})
-        if request.restore.ledger:
-            # Before the shards exist: no push can reach them without their ledger.
-            try:
-                state = restore.ledger(self.server_id)
-            except CheckpointError as error:
-                raise CheckpointFailed(f"cannot restore the exactly-once ledger of server "
-                                       f"{self.server_id}: {error}") from error
+        restore.prepare(specs, mine, {(h.shard, h.spec) for h in self._store.held()})
+        if request.restore.ledger and restore.created:
+            state = restore.ledger(self.server_id)
             if state is not None:
                 self._ledger.restore(state)
                 log.info("restored the exactly-once ledger (%d client(s)) from checkpoint %s",

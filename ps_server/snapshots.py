@@ -31,7 +31,7 @@ from ps_server.ledger import PushLedger
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MEMORY_BYTES = 256 << 20
+DEFAULT_MEMORY_BYTES = 256 << 20  # the servicer's default; ps-server uses ps_server.memory's
 
 
 class UpdateGate:

@@ -87,7 +87,8 @@ class ShardStore:
             return self._epoch
 
     def assign(self, epoch: int, specs: dict[str, VariableSpec], shards: list[Shard],
-               restore=None) -> AssignOutcome:
+               restore=None, superseded: frozenset[tuple[str, int]] = frozenset(),
+               ) -> AssignOutcome:
         """Hold exactly `shards` from `epoch` on: create missing ones, drop unlisted ones.
 
         Idempotent, and serialized: a repeated delivery of the same assignment (the
@@ -101,8 +102,10 @@ class ShardStore:
         reported in the outcome and never blocks the others: the rest are created and the
         epoch is adopted.
 
-        `restore` (a ShardRestore) creates the shards it names from a checkpoint instead of
-        their initializers; a shard the server holds already is kept as it is.
+        `restore` (a prepared ShardRestore) gives the shards it names, read from a
+        checkpoint, instead of their initializers; a shard the server holds already is kept
+        as it is. `superseded` names trained shards that may be dropped all the same: the
+        coordinator placed them elsewhere from a checkpoint while this server was away.
         """
         for shard in shards:
             spec = specs.get(shard.variable)
@@ -123,8 +126,9 @@ class ShardStore:
             wanted = {s.key: s for s in shards}
             for key, held in current.items():
                 shard = wanted.get(key)
-                if held.updates and (shard is None or held.spec != specs[shard.variable]
-                                     or held.shard != shard):
+                if held.updates and key not in superseded and (
+                        shard is None or held.spec != specs[shard.variable]
+                        or held.shard != shard):
                     raise TrainedShardConflict(
                         f"assignment of epoch {epoch} would "
                         f"{'drop' if shard is None else 're-create'} {held.describe()}, which "
@@ -140,11 +144,11 @@ class ShardStore:
                 # pulls and pushes of other shards go on meanwhile.
                 try:
                     if restore is not None and key in restore.shards:
-                        held = restore.create(spec, shard)
-                        if held is None:  # the checkpoint could not give it (logged)
+                        held = restore.created.get(key)
+                        if held is None:  # the checkpoint could not give it
                             failed.append((shard, restore.failure(shard)))
-                            continue
-                        created[key] = held
+                        else:
+                            created[key] = held
                         continue
                     values = initialize_rows(spec, shard.row_start, shard.row_stop)
                     state = make_state(spec, values.shape)

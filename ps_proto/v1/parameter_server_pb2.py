@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ps_proto.v1 import tensor_pb2 as ps__proto_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"ps_proto/v1/parameter_server.proto\x12\x05ps.v1\x1a\x18ps_proto/v1/tensor.proto\"+\n\x08ShardRef\x12\x10\n\x08variable\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\"_\n\x0bPullRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x1f\n\x06shards\x18\x02 \x03(\x0b\x32\x0f.ps.v1.ShardRef\x12 \n\nwire_dtype\x18\x03 \x01(\x0e\x32\x0c.ps.v1.DType\"<\n\tPullChunk\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.ps.v1.PullHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"0\n\nPullHeader\x12\"\n\x07tensors\x18\x01 \x03(\x0b\x32\x11.ps.v1.TensorMeta\"<\n\tPushChunk\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.ps.v1.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xb1\x01\n\nPushHeader\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x15\n\racked_through\x18\x04 \x01(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\x1f\n\x06shards\x18\x06 \x03(\x0b\x32\x0f.ps.v1.ShardRef\x12\"\n\x07tensors\x18\x07 \x03(\x0b\x32\x11.ps.v1.TensorMeta\"\x1e\n\tPushReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"\x95\x01\n\x13\x41ssignShardsRequest\x12\x1c\n\x03map\x18\x04 \x01(\x0b\x32\x0f.ps.v1.ShardMap\x12\x12\n\ngeneration\x18\x05 \x01(\x03\x12\x15\n\rcontrol_token\x18\x06 \x01(\x0c\x12#\n\x07restore\x18\x07 \x01(\x0b\x32\x12.ps.v1.RestoreFromJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"R\n\x0bRestoreFrom\x12\x12\n\ncheckpoint\x18\x01 \x01(\t\x12\x1f\n\x06shards\x18\x02 \x03(\x0b\x32\x0f.ps.v1.ShardRef\x12\x0e\n\x06ledger\x18\x03 \x01(\x08\"d\n\x15SaveCheckpointRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x15\n\rcontrol_token\x18\x02 \x01(\x0c\x12\x11\n\tdirectory\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\"8\n\tSavedFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"d\n\nSavedShard\x12\x1e\n\x05shard\x18\x01 \x01(\x0b\x32\x0f.ps.v1.ShardRef\x12\x0f\n\x07updates\x18\x02 \x01(\x03\x12\x17\n\x0foptimizer_steps\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ile\x18\x04 \x01(\t\"r\n\x13SaveCheckpointReply\x12\x1f\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x10.ps.v1.SavedFile\x12!\n\x06shards\x18\x02 \x03(\x0b\x32\x11.ps.v1.SavedShard\x12\x17\n\x0fpushes_recorded\x18\x03 \x01(\x03\"<\n\x0cShardFailure\x12\x1b\n\x05shard\x18\x01 \x01(\x0b\x32\x0c.ps.v1.Shard\x12\x0f\n\x07message\x18\x02 \x01(\t\"P\n\x11\x41ssignShardsReply\x12\x16\n\x0eshards_created\x18\x01 \x01(\x03\x12#\n\x06\x66\x61iled\x18\x02 \x03(\x0b\x32\x13.ps.v1.ShardFailure2\x81\x02\n\x0fParameterServer\x12.\n\x04Pull\x12\x12.ps.v1.PullRequest\x1a\x10.ps.v1.PullChunk0\x01\x12,\n\x04Push\x12\x10.ps.v1.PushChunk\x1a\x10.ps.v1.PushReply(\x01\x12\x44\n\x0c\x41ssignShards\x12\x1a.ps.v1.AssignShardsRequest\x1a\x18.ps.v1.AssignShardsReply\x12J\n\x0eSaveCheckpoint\x12\x1c.ps.v1.SaveCheckpointRequest\x1a\x1a.ps.v1.SaveCheckpointReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"ps_proto/v1/parameter_server.proto\x12\x05ps.v1\x1a\x18ps_proto/v1/tensor.proto\"+\n\x08ShardRef\x12\x10\n\x08variable\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\"_\n\x0bPullRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x1f\n\x06shards\x18\x02 \x03(\x0b\x32\x0f.ps.v1.ShardRef\x12 \n\nwire_dtype\x18\x03 \x01(\x0e\x32\x0c.ps.v1.DType\"<\n\tPullChunk\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.ps.v1.PullHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"0\n\nPullHeader\x12\"\n\x07tensors\x18\x01 \x03(\x0b\x32\x11.ps.v1.TensorMeta\"<\n\tPushChunk\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.ps.v1.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xb1\x01\n\nPushHeader\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x15\n\racked_through\x18\x04 \x01(\x03\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\x1f\n\x06shards\x18\x06 \x03(\x0b\x32\x0f.ps.v1.ShardRef\x12\"\n\x07tensors\x18\x07 \x03(\x0b\x32\x11.ps.v1.TensorMeta\"\x1e\n\tPushReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"\xba\x01\n\x13\x41ssignShardsRequest\x12\x1c\n\x03map\x18\x04 \x01(\x0b\x32\x0f.ps.v1.ShardMap\x12\x12\n\ngeneration\x18\x05 \x01(\x03\x12\x15\n\rcontrol_token\x18\x06 \x01(\x0c\x12#\n\x07restore\x18\x07 \x01(\x0b\x32\x12.ps.v1.RestoreFrom\x12#\n\nsuperseded\x18\x08 \x03(\x0b\x32\x0f.ps.v1.ShardRefJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"R\n\x0bRestoreFrom\x12\x12\n\ncheckpoint\x18\x01 \x01(\t\x12\x1f\n\x06shards\x18\x02 \x03(\x0b\x32\x0f.ps.v1.ShardRef\x12\x0e\n\x06ledger\x18\x03 \x01(\x08\"d\n\x15SaveCheckpointRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x15\n\rcontrol_token\x18\x02 \x01(\x0c\x12\x11\n\tdirectory\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\"8\n\tSavedFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"d\n\nSavedShard\x12\x1e\n\x05shard\x18\x01 \x01(\x0b\x32\x0f.ps.v1.ShardRef\x12\x0f\n\x07updates\x18\x02 \x01(\x03\x12\x17\n\x0foptimizer_steps\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ile\x18\x04 \x01(\t\"r\n\x13SaveCheckpointReply\x12\x1f\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x10.ps.v1.SavedFile\x12!\n\x06shards\x18\x02 \x03(\x0b\x32\x11.ps.v1.SavedShard\x12\x17\n\x0fpushes_recorded\x18\x03 \x01(\x03\"[\n\x0cShardFailure\x12\x1b\n\x05shard\x18\x01 \x01(\x0b\x32\x0c.ps.v1.Shard\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1d\n\x15\x63heckpoint_unreadable\x18\x03 \x01(\x08\"P\n\x11\x41ssignShardsReply\x12\x16\n\x0eshards_created\x18\x01 \x01(\x03\x12#\n\x06\x66\x61iled\x18\x02 \x03(\x0b\x32\x13.ps.v1.ShardFailure2\x81\x02\n\x0fParameterServer\x12.\n\x04Pull\x12\x12.ps.v1.PullRequest\x1a\x10.ps.v1.PullChunk0\x01\x12,\n\x04Push\x12\x10.ps.v1.PushChunk\x1a\x10.ps.v1.PushReply(\x01\x12\x44\n\x0c\x41ssignShards\x12\x1a.ps.v1.AssignShardsRequest\x1a\x18.ps.v1.AssignShardsReply\x12J\n\x0eSaveCheckpoint\x12\x1c.ps.v1.SaveCheckpointRequest\x1a\x1a.ps.v1.SaveCheckpointReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,21 +47,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHREPLY']._serialized_start=567
   _globals['_PUSHREPLY']._serialized_end=597
   _globals['_ASSIGNSHARDSREQUEST']._serialized_start=600
-  _globals['_ASSIGNSHARDSREQUEST']._serialized_end=749
-  _globals['_RESTOREFROM']._serialized_start=751
-  _globals['_RESTOREFROM']._serialized_end=833
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=835
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=935
-  _globals['_SAVEDFILE']._serialized_start=937
-  _globals['_SAVEDFILE']._serialized_end=993
-  _globals['_SAVEDSHARD']._serialized_start=995
-  _globals['_SAVEDSHARD']._serialized_end=1095
-  _globals['_SAVECHECKPOINTREPLY']._serialized_start=1097
-  _globals['_SAVECHECKPOINTREPLY']._serialized_end=1211
-  _globals['_SHARDFAILURE']._serialized_start=1213
-  _globals['_SHARDFAILURE']._serialized_end=1273
-  _globals['_ASSIGNSHARDSREPLY']._serialized_start=1275
-  _globals['_ASSIGNSHARDSREPLY']._serialized_end=1355
-  _globals['_PARAMETERSERVER']._serialized_start=1358
-  _globals['_PARAMETERSERVER']._serialized_end=1615
+  _globals['_ASSIGNSHARDSREQUEST']._serialized_end=786
+  _globals['_RESTOREFROM']._serialized_start=788
+  _globals['_RESTOREFROM']._serialized_end=870
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=872
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=972
+  _globals['_SAVEDFILE']._serialized_start=974
+  _globals['_SAVEDFILE']._serialized_end=1030
+  _globals['_SAVEDSHARD']._serialized_start=1032
+  _globals['_SAVEDSHARD']._serialized_end=1132
+  _globals['_SAVECHECKPOINTREPLY']._serialized_start=1134
+  _globals['_SAVECHECKPOINTREPLY']._serialized_end=1248
+  _globals['_SHARDFAILURE']._serialized_start=1250
+  _globals['_SHARDFAILURE']._serialized_end=1341
+  _globals['_ASSIGNSHARDSREPLY']._serialized_start=1343
+  _globals['_ASSIGNSHARDSREPLY']._serialized_end=1423
+  _globals['_PARAMETERSERVER']._serialized_start=1426
+  _globals['_PARAMETERSERVER']._serialized_end=1683
 # @@protoc_insertion_point(module_scope)

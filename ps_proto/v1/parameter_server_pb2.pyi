@@ -217,6 +217,7 @@ class AssignShardsRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     CONTROL_TOKEN_FIELD_NUMBER: _builtins.int
     RESTORE_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     control_token: _builtins.bytes
     @_builtins.property
@@ -225,6 +226,13 @@ class AssignShardsRequest(_message.Message):
     def restore(self) -> Global___RestoreFrom:
         """Shards of `map` to create from a checkpoint instead of their initializers."""
 
+    @_builtins.property
+    def superseded(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]:
+        """Shards this server holds that the map has placed elsewhere since (they were moved to
+        live servers from a checkpoint while this server was out of reach): drop them even
+        though they hold trained values.
+        """
+
     def __init__(
         self,
         *,
@@ -232,10 +240,11 @@ class AssignShardsRequest(_message.Message):
         generation: _builtins.int = ...,
         control_token: _builtins.bytes = ...,
         restore: Global___RestoreFrom | None = ...,
+        superseded: _abc.Iterable[Global___ShardRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["map", b"map", "restore", b"restore"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "generation", b"generation", "map", b"map", "restore", b"restore"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "generation", b"generation", "map", b"map", "restore", b"restore", "superseded", b"superseded"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -395,7 +404,12 @@ class ShardFailure(_message.Message):
 
     SHARD_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_UNREADABLE_FIELD_NUMBER: _builtins.int
     message: _builtins.str
+    checkpoint_unreadable: _builtins.bool
+    """The checkpoint it was to be restored from cannot be read (missing, truncated, altered):
+    an older one may do. Nothing of that checkpoint was restored on this server.
+    """
     @_builtins.property
     def shard(self) -> _tensor_pb2.Shard: ...
     def __init__(
@@ -403,10 +417,11 @@ class ShardFailure(_message.Message):
         *,
         shard: _tensor_pb2.Shard | None = ...,
         message: _builtins.str = ...,
+        checkpoint_unreadable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_unreadable", b"checkpoint_unreadable", "message", b"message", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

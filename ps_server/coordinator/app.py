@@ -235,8 +235,10 @@ class Coordinator:
                                 self.config.server_timeout_s, event.checkpoint, shards)
                 else:
                     log.error("%s", self.state.data_loss)
-                    if self.runner.fail(self.state.data_loss):
-                        log.error("the job failed: %s", self.state.data_loss)
+            # Whatever found it (a timeout, a server back empty, a checkpoint that could
+            # not be read), a data loss ends the job.
+            if self.state.data_loss and self.runner.fail(self.state.data_loss):
+                log.error("the job failed: %s", self.state.data_loss)
 
     def _nothing_to_checkpoint(self) -> bool:
         return (self.runner.over or not self.state.shard_map.shards

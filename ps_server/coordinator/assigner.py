@@ -86,18 +86,25 @@ class Assigner:
                 request.restore.shards.extend(ps_pb.ShardRef(variable=v, index=i)
                                               for v, i in sorted(keys))
                 request.restore.ledger = ledger
+            request.superseded.extend(ps_pb.ShardRef(variable=v, index=i)
+                                      for v, i in sorted(self._state.superseded(server_id)))
             try:
                 reply = self._stub(address).AssignShards(request, timeout=self._timeout)
             except grpc.RpcError as error:
                 raise RemoteError.from_rpc_error(error, target=server_id) from None
             failures = [CreationFailure(server_id, shard_from_proto(f.shard), f.message)
-                        for f in reply.failed]
+                        for f in reply.failed if not f.checkpoint_unreadable]
+            unreadable = [f.message for f in reply.failed if f.checkpoint_unreadable]
             if plan is not None:
-                unrestored = [f for f in failures if f.shard.key in keys]
-                failures = [f for f in failures if f.shard.key not in keys]
-                self._state.restore_done(server_id, keys - {f.shard.key for f in unrestored})
-                if unrestored:
-                    self._state.restore_failed(server_id, unrestored[0].message)
+                unrestored = {f.shard.key for f in failures} & keys
+                self._state.restore_done(server_id, set() if unreadable else keys - unrestored)
+                if unreadable:
+                    self._state.restore_failed(server_id, checkpoint, unreadable[0])
+                elif unrestored:  # e.g. out of memory for now: sent again with the next epoch
+                    log.error("server %s could not restore %d shard(s) (%s); trying again",
+                              server_id, len(unrestored), failures[0].message)
+                    self._state.retry_restore()
+                    failures = [f for f in failures if f.shard.key not in keys]
             # Recorded before the acknowledgement: a declaration that then finds this server
             # synced also finds the failure (whichever declaration placed it looks it up).
             for failure in failures:

@@ -141,7 +141,11 @@ class CoordinatorState:
         # creates from it.
         self._catalog = None
         self._restore: dict[str, set[tuple[str, int]]] = {}
+        # (server, shard key): copies a server may still hold of shards placed elsewhere
+        # since (moved from a checkpoint, or a newer holder won): it is told to drop them.
         self._moved_away: set[tuple[str, tuple[str, int]]] = set()
+        # The map epoch at which each shard's current placement was decided or learned.
+        self._placement_epoch: dict[tuple[str, int], int] = {}
         self.shards_restored = 0
         self._lock = threading.Lock()
 
@@ -182,21 +186,41 @@ class CoordinatorState:
             if not pending:
                 self._restore.pop(server_id, None)
 
-    def restore_failed(self, server_id: str, message: str) -> None:
-        """A server could not read the current checkpoint: go back to the previous good one
-        (the shards are sent again from it), or, with none left, the values are lost."""
+    def restore_failed(self, server_id: str, checkpoint, message: str) -> None:
+        """`server_id` could not read `checkpoint` (a directory) and restored none of it. If
+        it is still the current checkpoint, the previous good one becomes current; the
+        server's shards are then sent again (a new epoch) from whichever is current. Shards
+        no checkpoint left can give are re-initialized or lost."""
         with self._lock:
-            manifest = self._catalog.fall_back(message) if self._catalog else None
+            current = self._catalog.current() if self._catalog else None
+            if current is not None and str(current.directory) == str(checkpoint):
+                self._catalog.fall_back(message)
             keys = self._restore.get(server_id, set())
-            if manifest is not None and all(
-                    manifest.variables.get(name) == self._map.variables.get(name)
-                    for name, _ in keys):
+            gone = [s for s in self._map.shards_on(server_id)
+                    if s.key in keys and not self._restorable(s)]
+            for shard in gone:
+                keys.discard(shard.key)
+            if not keys:
+                self._restore.pop(server_id, None)
+            recreate = bool(keys)
+            if gone:
+                why = f"no good checkpoint holds them ({message})"
+                recreate |= self._reinitialize_or_fail(
+                    server_id, [describe_shard(s) for s in gone], why)
+            if recreate:
                 self._map = replace(self._map, epoch=self._next_epoch())
-                return
-            self._restore.pop(server_id, None)
-            lost = [describe_shard(s) for s in self._map.shards_on(server_id) if s.key in keys]
-            self._reinitialize_or_fail(server_id, lost, f"no checkpoint can restore them "
-                                                        f"({message})")
+
+    def retry_restore(self) -> None:
+        """Restores that failed for a passing reason are sent again, under a new epoch."""
+        with self._lock:
+            self._map = replace(self._map, epoch=self._next_epoch())
+
+    def superseded(self, server_id: str) -> set[tuple[str, int]]:
+        """Trained shards `server_id` may hold that the map has placed elsewhere since."""
+        with self._lock:
+            elsewhere = {s.key for s in self._map.shards_on(server_id)}
+            return {key for sid, key in self._moved_away
+                    if sid == server_id and key not in elsewhere}
 
     @property
     def shard_map(self) -> ShardMap:
@@ -357,6 +381,8 @@ class CoordinatorState:
                 variables[name], shards[name] = spec, recovered.shards[name]
                 changed = True
                 for shard in recovered.shards[name]:
+                    self._placement_epoch[shard.key] = recovered.epoch
+                for shard in recovered.shards[name]:
                     servers.setdefault(shard.server_id, recovered.servers.get(shard.server_id, ""))
                     if shard.server_id not in self._servers and shard.server_id != server_id:
                         self._recovery.awaiting.add(shard.server_id)
@@ -369,15 +395,24 @@ class CoordinatorState:
             for i, shard in enumerate(placed):
                 same_rows = (shard.index, shard.row_start, shard.row_stop) == (
                     held.shard.index, held.shard.row_start, held.shard.row_stop)
-                if (same_rows and held.updates and shard.server_id != server_id
-                        and variables[name] == held.spec
-                        and (server_id, held.shard.key) not in self._moved_away):
-                    log.warning("server %s holds trained %s, which the map placed on %s: "
-                                "the holder wins", server_id, describe_shard(shard),
-                                shard.server_id)
-                    placed[i] = replace(shard, server_id=server_id)
-                    shards[name] = tuple(placed)
-                    changed = True
+                if not (same_rows and held.updates and shard.server_id != server_id
+                        and variables[name] == held.spec):
+                    continue
+                # The newer placement wins: a copy from before the shard was moved is stale.
+                if ((server_id, shard.key) in self._moved_away
+                        or report.epoch < self._placement_epoch.get(shard.key, 0)):
+                    self._moved_away.add((server_id, shard.key))
+                    log.warning("server %s holds an old copy of %s, which has been on %s "
+                                "since: it is told to drop it", server_id,
+                                describe_shard(shard), shard.server_id)
+                    continue
+                log.warning("server %s holds trained %s, which the map placed on %s: the "
+                            "holder wins", server_id, describe_shard(shard), shard.server_id)
+                self._moved_away.add((shard.server_id, shard.key))
+                self._placement_epoch[shard.key] = report.epoch
+                placed[i] = replace(shard, server_id=server_id)
+                shards[name] = tuple(placed)
+                changed = True
         if changed:
             self._map = replace(self._map, servers=servers, variables=variables, shards=shards)
         return changed
@@ -508,6 +543,8 @@ class CoordinatorState:
         self._timed_out.add(server_id)
         self._recovery.awaiting.discard(server_id)
         self._map = replace(self._map, shards=moved, epoch=self._next_epoch())
+        for shard in shards:
+            self._placement_epoch[shard.key] = self._map.epoch
         manifest = self._catalog.current()
         return ServerEvent("moved", server_id, address, tuple(targets),
                            f"{manifest.id} (step {manifest.step})")
@@ -587,6 +624,8 @@ class CoordinatorState:
             self._map = replace(placed, epoch=self._next_epoch())
             for spec in new:
                 self._placed_at[spec.name] = self._map.epoch
+                for shard in self._map.shards[spec.name]:
+                    self._placement_epoch[shard.key] = self._map.epoch
                 self._creation_failures.pop(spec.name, None)
                 for shard in self._map.shards[spec.name]:
                     if self._restorable(shard):  # a checkpoint holds it: training resumes

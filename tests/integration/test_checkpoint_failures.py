@@ -1,0 +1,137 @@
+"""Checkpoints when things go wrong while restoring: a checkpoint found unreadable by the
+server that reads it, a passing failure (memory), a ledger file altered, and a server that
+was only out of reach while its shards moved."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+
+import ps_server.restore as restore_module
+from ps_worker import PSClient, RetryPolicy
+
+SGD1 = {"name": "sgd", "lr": 1.0}
+PATIENT = RetryPolicy(max_attempts=None, initial_backoff_s=0.01, max_backoff_s=0.05)
+WAIT_S = 30.0
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_two_reports_about_one_unreadable_checkpoint_fall_back_once(make_cluster, tmp_path):
+    """(E.g. a lost server's shards moved to two servers, both reading its one bad file.)"""
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(5,), init="zeros", optimizer=SGD1)
+        cluster.checkpoint()
+        ps.push({"w": np.ones(5, np.float32)})
+        good = cluster.checkpoint()
+        bad = cluster.checkpoint()
+    state = cluster.coordinator.state
+    for target in ("target-1", "target-2"):
+        state.restore_failed(target, bad.directory, f"{bad.directory}: sha256 mismatch")
+    assert cluster.coordinator.checkpointer.catalog.current().id == good.id
+
+
+def test_a_passing_failure_while_restoring_restores_nothing_of_the_cut_then_all_of_it(
+        make_cluster, tmp_path, monkeypatch):
+    """A server restores all of its shards from one checkpoint or none: one push is in both
+    shards or in neither, and a failure that is not the checkpoint's keeps the checkpoint."""
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path)
+    with PSClient(cluster.coordinator_address, retry=PATIENT) as ps:
+        ps.declare("a", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.declare("b", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.push({"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)})
+        cluster.checkpoint()
+        ps.push({"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)})  # in both
+        newest = cluster.checkpoint()
+        real, failures = restore_module.make_state, [1]
+
+        def out_of_memory_once(spec, shape):
+            if spec.name == "b" and failures:
+                failures.pop()
+                raise MemoryError
+            return real(spec, shape)
+
+        monkeypatch.setattr(restore_module, "make_state", out_of_memory_once)
+        cluster.restart_server(0)
+        wait_until(lambda: cluster.coordinator.state.shards_restored == 2, "the restore")
+        cluster.wait_until_synced()
+        np.testing.assert_array_equal(ps.pull("a"), np.full(4, -2.0, np.float32))
+        np.testing.assert_array_equal(ps.pull("b"), np.full(4, -2.0, np.float32))
+    assert not failures
+    assert cluster.coordinator.checkpointer.catalog.current().id == newest.id
+
+
+def test_an_altered_ledger_file_falls_back_to_the_previous_checkpoint(make_cluster, tmp_path):
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path)
+    with PSClient(cluster.coordinator_address, client_id="c", retry=PATIENT) as ps:
+        ps.declare("w", shape=(5,), init="zeros", optimizer=SGD1)
+        ps.push({"w": np.ones(5, np.float32)})
+        good = cluster.checkpoint()
+        ps.push({"w": np.ones(5, np.float32)})
+        bad = cluster.checkpoint()
+        path = next(bad.directory.glob("*.ledger.json"))
+        path.write_text(path.read_text().replace('"c"', '"x"'))  # same size, other bytes
+        cluster.restart_server(0)
+        wait_until(lambda: cluster.coordinator.state.shards_restored == 1, "the restore")
+        np.testing.assert_array_equal(ps.pull("w"), np.full(5, -1.0, np.float32))
+    assert cluster.coordinator.checkpointer.catalog.current().id == good.id
+
+
+def test_with_reinitialize_a_shard_no_checkpoint_can_give_is_created_again(make_cluster,
+                                                                          tmp_path):
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path, reinitialize_lost_shards=True)
+    with PSClient(cluster.coordinator_address, retry=PATIENT) as ps:
+        ps.declare("w", shape=(5,), init="zeros", optimizer=SGD1)
+        ps.push({"w": np.ones(5, np.float32)})
+        only = cluster.checkpoint()
+        path = next(only.directory.glob("*.safetensors"))
+        path.write_bytes(path.read_bytes()[:-4])
+        cluster.restart_server(0)
+        wait_until(lambda: [h.key for h in cluster.servers[0].store.held()] == [("w", 0)],
+                   "the shard to be created again")
+        np.testing.assert_array_equal(ps.pull("w"), np.zeros(5, np.float32))
+    assert cluster.coordinator.checkpointer.catalog.current() is None
+
+
+class Unreachable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_server_back_after_its_shards_moved_drops_its_old_copy(make_cluster, tmp_path):
+    """A server only out of reach (a partition, a long pause) past --server-timeout: its
+    shards move to a live server from the checkpoint; when it is back it drops its copies
+    (trained or not), and a client that still used the old map follows the move."""
+    cluster = make_cluster(servers=2, checkpoint_dir=tmp_path, server_timeout_s=0.5)
+    with PSClient(cluster.coordinator_address, retry=PATIENT) as ps, \
+            PSClient(cluster.coordinator_address, client_id="stale", retry=PATIENT) as stale:
+        ps.declare("a", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.push({"a": np.ones(4, np.float32)})
+        cluster.checkpoint()
+        stale.pull("a")  # its map places "a" on the old holder
+        holder_id = ps.shard_map.shards_of("a")[0].server_id
+        holder = next(s for s in cluster.servers if s.server_id == holder_id)
+        reachable, real_call = [False], holder._coordinator_call
+
+        def call(rpc, request):
+            if not reachable[0]:
+                raise Unreachable()
+            return real_call(rpc, request)
+
+        holder._coordinator_call = call
+        wait_until(lambda: ps.refresh().shards_of("a")[0].server_id != holder_id,
+                   "the shard to move")
+        reachable[0] = True
+        wait_until(lambda: holder.store.epoch == cluster.coordinator.state.shard_map.epoch
+                   and not holder.store.held(), "the old holder to drop its copy")
+        stale.push({"a": np.ones(4, np.float32)})
+        np.testing.assert_array_equal(ps.pull("a"), np.full(4, -2.0, np.float32))
+        np.testing.assert_array_equal(stale.pull("a"), np.full(4, -2.0, np.float32))
