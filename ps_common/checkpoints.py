@@ -91,14 +91,15 @@ class Manifest:
                       key=lambda s: s.row_start)
 
     def to_json(self) -> str:
-        return json.dumps({
+        doc = {
             "format": FORMAT, "version": VERSION, "id": self.id, "step": self.step,
             "epoch": self.epoch, "created_unix_s": self.created_unix_s,
             "variables": {n: spec_to_json(s) for n, s in self.variables.items()},
             "shards": [asdict(s) for s in self.shards],
             "files": {n: asdict(f) for n, f in self.files.items()},
             "ledgers": self.ledgers, "job": self.job,
-        }, indent=1, sort_keys=True)
+        }
+        return json.dumps({**doc, "sha256": _digest_of(doc)}, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, directory: Path | None = None) -> "Manifest":
@@ -106,6 +107,9 @@ class Manifest:
             doc = json.loads(text)
             if doc.get("format") != FORMAT or doc.get("version") != VERSION:
                 raise CheckpointError(f"not a {FORMAT} version {VERSION} manifest")
+            if doc.pop("sha256", None) != _digest_of(doc):
+                raise CheckpointError("the manifest does not match its sha256 checksum "
+                                      "(altered or corrupt)")
             return cls(
                 id=doc["id"], step=int(doc["step"]), epoch=int(doc["epoch"]),
                 created_unix_s=float(doc["created_unix_s"]),
@@ -115,6 +119,11 @@ class Manifest:
                 ledgers=dict(doc.get("ledgers", {})), job=doc.get("job"), directory=directory)
         except (ValueError, KeyError, TypeError) as error:
             raise CheckpointError(f"malformed manifest: {error}") from error
+
+
+def _digest_of(doc: dict) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+                          ).hexdigest()
 
 
 def spec_to_json(spec: VariableSpec) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from ps_common.checkpoints import FileRecord
-from ps_common.errors import CheckpointFailed, NotReady, StaleEpoch
+from ps_common.errors import CheckpointFailed, NotReady
 from ps_common.rpc import make_channel
 from ps_common.shardmap import Shard
 from ps_common.status import RemoteError
@@ -158,7 +158,7 @@ class Assigner:
     def save_checkpoint(self, server_id: str, address: str, directory: Path,
                         epoch: int) -> SavedPart:
         """Ask one server to write its part of a checkpoint into `directory`. Raises the
-        server's error (StaleEpoch or NotReady when it is not at `epoch`; CheckpointFailed)."""
+        server's error (NotReady when it is not at `epoch` or out of reach; CheckpointFailed)."""
         request = ps_pb.SaveCheckpointRequest(
             generation=self._state.generation, control_token=self._token,
             directory=str(directory), epoch=epoch)
@@ -166,9 +166,8 @@ class Assigner:
             reply = self._stub(address).SaveCheckpoint(request, timeout=CHECKPOINT_TIMEOUT_S)
         except grpc.RpcError as error:
             remote = RemoteError.from_rpc_error(error, target=server_id)
-            if remote.code() == grpc.StatusCode.ABORTED:
-                raise StaleEpoch(epoch, epoch + 1) from None
-            if remote.code() == grpc.StatusCode.UNAVAILABLE:
+            if remote.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE):
+                # Not at this epoch (yet), or out of reach: the checkpoint is tried again.
                 raise NotReady(f"server {server_id}: {remote.details()}") from None
             raise CheckpointFailed(f"server {server_id} ({address}) could not save its part: "
                                    f"{remote.code().name}: {remote.details()}") from None

@@ -22,7 +22,7 @@ from ps_common.checkpoints import (
     CheckpointError, FileRecord, Manifest, ShardRecord, checkpoint_ids, new_checkpoint_dir,
     newest_good, prune, verify, write_manifest,
 )
-from ps_common.errors import CheckpointFailed, NotReady, PSError, StaleEpoch
+from ps_common.errors import CheckpointFailed, NotReady, PSError
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Checkpointer:
             for _ in range(ATTEMPTS):
                 try:
                     return self._take_once(reason)
-                except (StaleEpoch, NotReady) as raced:  # the map moved: take it again
+                except NotReady as raced:  # the map moved, or a server is away: again
                     error = raced
                     time.sleep(0.2)
             raise CheckpointFailed(f"no checkpoint after {ATTEMPTS} attempts: {error}")

@@ -250,3 +250,18 @@ def test_a_checkpoint_corrupted_after_it_was_checked_falls_back_when_a_server_re
         np.testing.assert_array_equal(ps.pull("w"), np.full(5, -1.0, np.float32))
     assert cluster.coordinator.checkpointer.catalog.current().id == good.id
     assert any(bad.id in r.getMessage() and good.id in r.getMessage() for r in caplog.records)
+
+
+def test_an_altered_manifest_is_caught_by_its_own_checksum(make_cluster, tmp_path, caplog):
+    first = make_cluster(servers=1, checkpoint_dir=tmp_path)
+    with PSClient(first.coordinator_address) as ps:
+        ps.declare("w", shape=(5,), init="zeros", optimizer=SGD1)
+        good = first.checkpoint()
+        bad = first.checkpoint()
+    first.stop()
+    manifest = tmp_path / bad.id / MANIFEST
+    manifest.write_text(manifest.read_text().replace('"step": 0', '"step": 7'))
+    with caplog.at_level(logging.INFO):
+        second = make_cluster(servers=1, checkpoint_dir=tmp_path)
+    assert any("manifest does not match" in r.getMessage() for r in caplog.records)
+    assert second.coordinator.checkpointer.catalog.current().id == good.id
