@@ -219,11 +219,26 @@ class TensorFileWriter:
         self._next = 0
 
     def write(self, name: str, array: np.ndarray) -> None:
-        expected, size = self._expected[self._next]
-        if name != expected or array.nbytes != size:
-            raise ValueError(f"tensor {name!r} ({array.nbytes} bytes) written where "
-                             f"{expected!r} ({size} bytes) was announced")
+        self.begin(name)
+        self.append(array)
+        self.end()
+
+    def begin(self, name: str) -> None:
+        """Start the next tensor, whose bytes then come in `append` calls."""
+        expected, _ = self._expected[self._next]
+        if name != expected:
+            raise ValueError(f"tensor {name!r} written where {expected!r} was announced")
+        self._written = 0
+
+    def append(self, array: np.ndarray) -> None:
         self._out.write(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+        self._written += array.nbytes
+
+    def end(self) -> None:
+        expected, size = self._expected[self._next]
+        if self._written != size:
+            raise ValueError(f"tensor {expected!r}: {self._written} bytes written, {size} "
+                             "announced")
         self._next += 1
 
     def commit(self) -> FileRecord:

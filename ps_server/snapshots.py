@@ -4,13 +4,14 @@ written to disk while training goes on.
 The cut is an instant at which no push is between applying its values and recording itself
 in the ledger (UpdateGate): every push is in the cut, with its ledger entry, or not at all.
 Taking it costs only the bookkeeping of that instant. After it, shards are written one at a
-time. A push that reaches a shard not written yet first preserves the shard as it was at
-the cut (copy-on-write), so it never waits for the disk; the writer takes a shard nobody
-pushed to by copying it under its lock (memory speed) and writes the copy. Copies held at
-once are bounded by `memory_bytes`: past it, a push waits for the writer to reach its
-shard, and a shard larger than the bound is written straight from its values with pushes
-to it held meanwhile. So a checkpoint never needs twice the memory of the values, and
-stalls a push only as long as copying a shard in memory takes while the bound is not hit.
+time, read from the live values a block at a time (the shard's lock is held for one block's
+copy, never for the disk). A push that reaches a shard not written yet first preserves the
+shard as it was at the cut (copy-on-write), so it waits for one memory copy, never for the
+disk; the writer then takes the rest of the shard from that copy. Only shards pushed to
+during the checkpoint are ever copied, and those copies are bounded by `memory_bytes`: past
+it, a push waits for the writer to reach its shard. So a checkpoint's extra memory is at
+most `memory_bytes` (plus one block), and a push stalls for a shard's memory copy unless
+that bound is hit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ps_server.ledger import PushLedger
 
 log = logging.getLogger(__name__)
 
+# The writer reads live values a block at a time, holding the shard's lock for one copy.
+BLOCK_ELEMENTS = 1 << 20
 DEFAULT_MEMORY_BYTES = 256 << 20  # the servicer's default; ps-server uses ps_server.memory's
 
 
@@ -127,28 +130,18 @@ class Capture:
             while id(held) in self._pending:
                 self._cond.wait()
 
-    def take(self, held) -> tuple[ShardCopy | None, bool]:
-        """For the writer, holding the shard's lock: the preserved copy, else (None, whether
-        a copy of it fits the memory bound, which is then reserved)."""
+    def copy_of(self, held) -> ShardCopy | None:
+        """The copy a push made of `held` at the cut, if any (call with its lock held)."""
         with self._cond:
-            copy = self._copies.pop(id(held), None)
-            if copy is not None:
-                return copy, True
-            size = shard_bytes(held)
-            if self._used + size <= self._memory:
-                self._used += size
-                return None, True
-            return None, False
+            return self._copies.get(id(held))
 
-    def written(self, held, released_bytes: int) -> None:
+    def written(self, held) -> None:
+        """`held` is on disk: pushes no longer preserve it, and its copy is freed."""
         with self._cond:
             self._pending.discard(id(held))
-            self._used -= released_bytes
-            self._cond.notify_all()
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self._used -= nbytes
+            copy = self._copies.pop(id(held), None)
+            if copy is not None:
+                self._used -= copy.nbytes
             self._cond.notify_all()
 
     def abandon(self) -> None:
@@ -220,27 +213,31 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
 
 
 def _write_shard(writer: TensorFileWriter, capture: Capture, held, file: str) -> SavedShardInfo:
+    """Write one shard as it was at the cut. Blocks are read from the live values under the
+    shard's lock (held for one block's copy, never for the disk); once a push has preserved
+    the shard (it copies it before changing it), the rest comes from that copy."""
     name, index = held.key
     with held.lock:
-        copy, fits = capture.take(held)
-        if copy is None and fits:
-            copy = ShardCopy.of(held)
-        if copy is None:
-            # Larger than the memory bound: written from the values themselves, pushes to
-            # this shard waiting meanwhile.
-            _write_arrays(writer, name, index, held.values, held.state.slots)
-            info = SavedShardInfo(name, index, held.updates, held.state.steps, file)
-            capture.written(held, 0)
-            return info
-        capture.written(held, 0)
-    try:
-        _write_arrays(writer, name, index, copy.values, copy.slots)
-    finally:
-        capture.release(copy.nbytes)
-    return SavedShardInfo(name, index, copy.updates, copy.optimizer_steps, file)
-
-
-def _write_arrays(writer, name: str, index: int, values, slots) -> None:
-    writer.write(values_name(name, index), values)
-    for slot in sorted(slots):
-        writer.write(slot_name(name, index, slot), slots[slot])
+        copy = capture.copy_of(held)
+        info = (SavedShardInfo(name, index, copy.updates, copy.optimizer_steps, file) if copy
+                else SavedShardInfo(name, index, held.updates, held.state.steps, file))
+    tensors = [(values_name(name, index), lambda source: source[0])]
+    tensors += [(slot_name(name, index, slot), lambda source, slot=slot: source[1][slot])
+                for slot in sorted(held.state.slots)]
+    for tensor, pick in tensors:
+        writer.begin(tensor)
+        position = 0
+        total = pick((held.values, held.state.slots)).size
+        while position < total:
+            with held.lock:
+                copy = copy or capture.copy_of(held)
+                if copy is None:
+                    flat = pick((held.values, held.state.slots)).reshape(-1)
+                    block = flat[position:position + BLOCK_ELEMENTS].copy()
+            if copy is not None:
+                block = pick((copy.values, copy.slots)).reshape(-1)[position:]
+            writer.append(block)
+            position += block.size
+        writer.end()
+    capture.written(held)
+    return info

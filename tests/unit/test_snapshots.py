@@ -76,8 +76,8 @@ def test_a_push_preserves_the_shard_as_it_was_at_the_cut():
     capture = Capture([held], memory_bytes=shard_bytes(held))
     store.begin_capture(capture)
     push(store, "a")  # changes the live shard only after copying it
-    copy, fits = capture.take(held)
-    assert fits and copy is not None
+    copy = capture.copy_of(held)
+    assert copy is not None
     np.testing.assert_array_equal(copy.values, at_cut[0])
     np.testing.assert_array_equal(copy.slots["m"], at_cut[1])
     assert copy.optimizer_steps == at_cut[2] == 1
@@ -96,7 +96,7 @@ def test_past_its_memory_bound_a_push_waits_for_the_writer_instead_of_copying():
     t.start()
     assert not pushed.wait(0.2)  # waiting (a push never copies past the bound)
     np.testing.assert_array_equal(b.values, b_before)
-    capture.written(b, 0)  # the writer has written b
+    capture.written(b)  # the writer has written b
     assert pushed.wait(WAIT_S)
     t.join(WAIT_S)
     assert not np.array_equal(b.values, b_before)
@@ -117,3 +117,40 @@ def test_save_writes_every_shard_and_slot_as_of_the_cut(tmp_path, memory_bytes):
         np.testing.assert_array_equal(tensors.array(values_name(name, index)), values)
         np.testing.assert_array_equal(tensors.array(slot_name(name, index, "v")), v)
     assert {s.variable: s.optimizer_steps for s in outcome.shards} == {"a": 1, "b": 0}
+
+
+def test_a_shard_nobody_pushes_to_is_written_without_a_copy_and_a_push_mid_write_gets_one(
+        tmp_path, monkeypatch):
+    """The writer reads live values a block at a time; a push landing while it is half way
+    through a shard preserves the shard, and the rest is written from that copy: the file
+    holds the cut either way, and only pushed-to shards are ever copied."""
+    import ps_server.snapshots as snapshots
+
+    monkeypatch.setattr(snapshots, "BLOCK_ELEMENTS", 2)  # several blocks per tensor
+    store = store_with("a", "b", rows=8)
+    ledger = PushLedger()
+    push(store, "a")
+    at_cut = {h.key: h.values.copy() for h in store.held()}
+    copies = []
+    real_of = snapshots.ShardCopy.of
+
+    def counting_of(held):
+        copies.append(held.key)
+        return real_of(held)
+
+    monkeypatch.setattr(snapshots.ShardCopy, "of", staticmethod(counting_of))
+    writer_append = snapshots.TensorFileWriter.append
+    pushed = []
+
+    def append_then_push(self, array):
+        writer_append(self, array)
+        if not pushed:  # half way through shard "a": a push lands
+            pushed.append(True)
+            push(store, "a")
+
+    monkeypatch.setattr(snapshots.TensorFileWriter, "append", append_then_push)
+    save(store, ledger, tmp_path, "s", epoch=1, memory_bytes=1 << 20)
+    tensors = TensorFile(tmp_path / "s.safetensors")
+    for (name, index), values in at_cut.items():
+        np.testing.assert_array_equal(tensors.array(values_name(name, index)), values)
+    assert copies == [("a", 0)]
