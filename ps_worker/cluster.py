@@ -12,6 +12,7 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,9 +23,14 @@ from pathlib import Path
 from ps_common.cli import add_server_loss_arguments
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.status import RemoteError
+from ps_worker.chaos import ChaosError, ChaosMonkey
+from ps_worker.chaos import plan as chaos_plan
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
 
 READY_TIMEOUT_S = 60.0
+KILL_WAIT_S = 10.0
+# Short, so that a server killed by --chaos loses little (the default job lasts seconds).
+CHAOS_CHECKPOINT_EVERY = "20steps"
 
 
 class ClusterError(RuntimeError):
@@ -53,8 +59,9 @@ def _die_with_this_process():
     The signal comes when the *thread* that forked the child ends, not the process: children
     are started from ps-cluster's main thread (`main`), which ends only with the process.
     It runs in the child between fork and exec, so it only calls a C function looked up here
-    beforehand and os.getppid/os._exit (no lock that another thread of ps-cluster could have
-    held at the fork: the status client's threads start after the children)."""
+    beforehand and os.getppid/os._exit: no lock that another thread of ps-cluster could have
+    held at the fork. (The first children start before the status client's threads; children
+    restarted by --chaos start while they run, which is why nothing more may go in here.)"""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -94,17 +101,30 @@ class SignalFlag:
 
 
 class Child:
-    """One child process with its output in `log_dir/name.log`. Start it from the main
-    thread (see `_die_with_this_process`)."""
+    """One child process with its output in `log_dir/name.log`. Start (and restart) it from
+    the main thread (see `_die_with_this_process`).
+
+    `restart()` starts it again as a supervisor would (docker compose's `restart:
+    on-failure`, a StatefulSet): the same command line and, for a daemon whose address was
+    read with `wait_for_address`, the same address (its `--port 0` becomes the port it got).
+    Each incarnation logs to its own file: `name.log`, then `name.restart-1.log`, ...
+    `process` and `log_path` are the current incarnation's."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path,
                  env: dict[str, str] | None = None):
         self.name = name
-        self.log_path = log_dir / f"{name}.log"
+        self.address: str | None = None
+        self.restarts = 0
+        self._argv, self._env, self._log_dir = argv, env, log_dir
+        self._start()
+
+    def _start(self) -> None:
+        suffix = f".restart-{self.restarts}" if self.restarts else ""
+        self.log_path = self._log_dir / f"{self.name}{suffix}.log"
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, preexec_fn=_die_with_this_process(),
+            self._argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self._env, preexec_fn=_die_with_this_process(),
             start_new_session=True)  # Ctrl-C reaches ps-cluster only; it stops children itself
 
     def wait_for_address(self, deadline: float) -> str:
@@ -112,13 +132,41 @@ class Child:
         while time.monotonic() < deadline:
             for line in self.log_path.read_text(errors="replace").splitlines():
                 if " listening on " in line:
-                    return line.rsplit(" ", 1)[-1]
+                    self.address = line.rsplit(" ", 1)[-1]
+                    return self.address
             if self.process.poll() is not None:
                 raise ClusterError(f"{self.name} exited with {self.process.returncode} before "
                                    f"it was ready; see {self.log_path}")
             time.sleep(0.05)
         raise ClusterError(f"{self.name} was not ready within {READY_TIMEOUT_S:g} s; "
                            f"see {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL, and reap it (a killed process exits at once; bounded all the same)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            try:
+                self.process.wait(KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                raise ClusterError(f"{self.name} (pid {self.process.pid}) did not exit within "
+                                   f"{KILL_WAIT_S:g} s of SIGKILL") from None
+        self._log.close()
+
+    def restart(self) -> None:
+        """Start it again (it must have exited); a daemon is ready on its old address when
+        this returns. Raises ClusterError if it is not (e.g. another process took the port)."""
+        if self.process.poll() is None:
+            raise ClusterError(f"{self.name} is still running; it cannot be restarted")
+        self._log.close()
+        previous = self.address
+        if previous is not None:
+            self._argv = _on_port(self._argv, previous.rsplit(":", 1)[1])
+        self.restarts += 1
+        self._start()
+        if previous is not None:
+            address = self.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
+            if address != previous:
+                raise ClusterError(f"{self.name} came back on {address}, not on {previous}")
 
     def stop(self, grace_s: float, impatient: SignalFlag | None = None) -> None:
         """SIGTERM, up to `grace_s` for a clean exit (cut short by `impatient`), SIGKILL."""
@@ -137,6 +185,12 @@ class Child:
     @property
     def returncode(self) -> int | None:
         return self.process.poll()
+
+
+def _on_port(argv: list[str], port: str) -> list[str]:
+    """`argv` with the value of its `--port` replaced by `port`."""
+    i = argv.index("--port")
+    return [*argv[:i + 1], port, *argv[i + 2:]]
 
 
 class Progress:
@@ -201,6 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the coordinator and servers up after the job (until Ctrl-C)")
     p.add_argument("--log-dir", help="where children's logs go (default: a new temp dir)")
+    g = p.add_argument_group("checkpoints and chaos")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="the coordinator's --checkpoint-dir: servers write checkpoints here "
+                   "and a restarted server or coordinator resumes from them (default: none; "
+                   "with --chaos, LOG_DIR/checkpoints)")
+    g.add_argument("--checkpoint-every", metavar="INTERVAL",
+                   help="the coordinator's --checkpoint-every, e.g. 30s or 500steps (default: "
+                   f"the coordinator's; with --chaos, {CHAOS_CHECKPOINT_EVERY})")
+    g.add_argument("--chaos", action="store_true",
+                   help="during the job, SIGKILL a random worker, then a random server, then "
+                   "the coordinator, one at a time, restarting each with the same command "
+                   "and waiting for the cluster to recover before the next")
+    g.add_argument("--chaos-seed", type=int, metavar="N",
+                   help="which worker and server --chaos kills (default: random, printed)")
     add_job_arguments(p)
     return p
 
@@ -216,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--servers {args.servers}: need at least 1")
     if args.workers < 0:
         parser.error(f"--workers {args.workers}: must be >= 0")
+    if args.chaos_seed is not None and not args.chaos:
+        parser.error("--chaos-seed is for --chaos")
     try:
         job = job_from_args(args) or JobSpec()
         _check_job_runs_here(job)
@@ -224,8 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(f"the job cannot run: {error}")
 
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ps-cluster-"))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ps-cluster-")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = _checkpoint_dir(args, job, log_dir)
+    if args.checkpoint_every is not None and checkpoint_dir is None:
+        parser.error(f"--checkpoint-every {args.checkpoint_every}: needs --checkpoint-dir")
+    checkpoint_every = args.checkpoint_every or (CHAOS_CHECKPOINT_EVERY if args.chaos else None)
+    chaos_seed = args.chaos_seed if args.chaos_seed is not None else \
+        random.SystemRandom().randrange(2**31)
     job_file = log_dir / "job.json"
     job_file.write_text(job.to_json())
     progress = Progress(sys.stdout, job.epochs)
@@ -238,15 +314,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     started = time.monotonic()
     outcome = {"state": "failed"}
+    chaos: ChaosMonkey | None = None
     try:
         hb = ["--heartbeat-interval", str(args.heartbeat_interval)]
         coordinator = Child("coordinator", _python(
             "ps_server.coordinator.cli", "--port", "0", "--job", str(job_file), *hb,
             "--heartbeat-timeout", str(args.heartbeat_timeout),
             "--split-threshold", args.split_threshold,
-            # a new cluster: no predecessor's servers to wait for
+            # A new cluster: no predecessor's servers to wait for. Safe for the coordinator
+            # --chaos restarts too: the first server back reports the whole shard map, and
+            # nothing is placed while a server named in it is not back.
             "--recovery-grace", "0", "--server-timeout", str(args.server_timeout),
             *(["--reinitialize-lost-shards"] if args.reinitialize_lost_shards else []),
+            *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []),
+            *(["--checkpoint-every", checkpoint_every] if checkpoint_every else []),
             *(["--keep-serving"] if args.keep_serving else [])), log_dir)
         children.append(coordinator)
         address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
@@ -266,7 +347,15 @@ def main(argv: list[str] | None = None) -> int:
             children.append(workers[-1])
         progress.note(f"{args.servers} server(s), {args.workers} worker(s): training "
                       f"{job.model} on {job.data} for {job.epochs} epoch(s)")
-        outcome = _monitor(address, coordinator, workers, progress, args.keep_serving)
+        if args.chaos:
+            progress.note(f"chaos: seed {chaos_seed}; checkpoints in {checkpoint_dir} every "
+                          f"{checkpoint_every}")
+            targets = chaos_plan(
+                chaos_seed, workers={w.name: w.name for w in workers},
+                servers={s.name: f"ps-{i}" for i, s in enumerate(servers)})
+            chaos = ChaosMonkey(chaos_seed, targets, {c.name: c for c in children},
+                                clock=time.monotonic, note=progress.note)
+        outcome = _monitor(address, coordinator, workers, progress, args.keep_serving, chaos)
         if outcome.get("epochs") and outcome["epochs"] not in progress.reported and \
                 outcome.get("accuracy") is not None:  # the monitor missed the last status
             progress.note(f"epoch {outcome['epochs']}/{job.epochs}  loss {outcome['loss']:.4f}  "
@@ -275,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         outcome = {"state": "interrupted"}
-    except (ClusterError, CoordinatorUnreachable) as error:
+    except (ClusterError, ChaosError, CoordinatorUnreachable) as error:
         progress.note(f"ps-cluster: {error}")
         outcome = {"state": "failed", "error": str(error)}
     except Exception as error:  # noqa: BLE001 - the JSON line is printed whatever happens
@@ -294,11 +383,28 @@ def main(argv: list[str] | None = None) -> int:
                           impatient)
     outcome.update({"elapsed_s": round(time.monotonic() - started, 3), "exit_codes": exits,
                     "log_dir": str(log_dir)})
+    if chaos is not None:
+        outcome["chaos"] = chaos.report()
+        if outcome["state"] == "done" and not chaos.complete:
+            # A chaos run that could not do what it was asked proves less than it claims.
+            progress.note(f"ps-cluster: the job ended before chaos was over: "
+                          f"{chaos.recoveries} of {len(chaos.targets)} kill(s) done and "
+                          "recovered from")
     print(json.dumps(outcome), flush=True)
     if interrupted:
         return 130
     clean = all(code == 0 for code in exits.values())
-    return 0 if outcome["state"] == "done" and clean else 1
+    chaos_done = chaos is None or chaos.complete
+    return 0 if outcome["state"] == "done" and clean and chaos_done else 1
+
+
+def _checkpoint_dir(args: argparse.Namespace, job: JobSpec, log_dir: Path) -> Path | None:
+    """Where checkpoints go, as an absolute path (the children's working directory is not
+    part of their command): --checkpoint-dir, else the job's checkpoint_dir, else (for
+    --chaos, which restarts servers) LOG_DIR/checkpoints."""
+    chosen = args.checkpoint_dir or job.checkpoint_dir or (
+        str(log_dir / "checkpoints") if args.chaos else None)
+    return Path(chosen).resolve() if chosen else None
 
 
 def _check_job_runs_here(job: JobSpec) -> None:
@@ -324,7 +430,7 @@ def _final_summary(coordinator: Child) -> dict | None:
 
 
 def _monitor(address: str, coordinator: Child, workers: list[Child], progress: Progress,
-             keep_serving: bool) -> dict:
+             keep_serving: bool, chaos: ChaosMonkey | None = None) -> dict:
     with CoordinatorClient(address, give_up_after_s=2.0, rpc_timeout_s=2.0) as client:
         while True:
             if coordinator.returncode is not None:
@@ -339,11 +445,16 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
             try:
                 status = client.status()
             except (CoordinatorUnreachable, RemoteError):
-                # The coordinator is exiting (its summary is read at the top of the loop)
-                # or briefly busy; a persistent problem ends when the process does.
+                # The coordinator is exiting (its summary is read at the top of the loop),
+                # restarting (chaos) or briefly busy; a persistent problem ends when the
+                # process does.
+                if chaos is not None:
+                    chaos.observe(None)  # bounds the wait for a restarted coordinator
                 time.sleep(0.1)
                 continue
             progress.update(status)
+            if chaos is not None:
+                chaos.observe(status)  # may kill and restart a child (this main thread)
             state = status["job"]["state"]
             if keep_serving and state in ("done", "failed"):
                 progress.note(f"job {state}; servers keep serving on {address} (Ctrl-C to stop)")

@@ -124,6 +124,8 @@ class Coordinator:
             log.warning("no --checkpoint-dir: a parameter server that restarts or is lost "
                         "takes its values with it (the job fails)")
         self._state_file = None
+        self._saving = threading.Lock()
+        self._saved_progress = None
         if config.state_path is not None:
             config.state_path.parent.mkdir(parents=True, exist_ok=True)
             self._state_file = StateFile(config.state_path)
@@ -134,7 +136,7 @@ class Coordinator:
             self.state, self._assigner, self.runner, ClientRegistry(incarnations, retired),
             retired, incarnations, token=token, heartbeat_interval_s=config.heartbeat_interval_s,
             keep_serving=config.keep_serving, checkpointer=self.checkpointer,
-            servers_may_stop=self._servers_may_stop.is_set)
+            servers_may_stop=self._servers_may_stop.is_set, save_progress=self._save_state)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
@@ -177,6 +179,10 @@ class Coordinator:
     def _save_state(self) -> None:
         if self._state_file is None or self.runner.job is None:
             return
+        with self._saving:  # export and write together: an older export never lands last
+            self._save_state_locked()
+
+    def _save_state_locked(self) -> None:
         progress = self.runner.export_state()
         # Elapsed time alone changes on every read: not worth a write (it is saved with the
         # next real change, and a restart loses at most that much of it).
@@ -195,7 +201,6 @@ class Coordinator:
 
     def start(self) -> "Coordinator":
         self._daemon.start()
-        self._saved_progress = None
         if self._state_file is not None and self.runner.job is not None:
             threading.Thread(target=self._keep_state_saved, name="ps-coordinator-state",
                              daemon=True).start()

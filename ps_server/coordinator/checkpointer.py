@@ -152,7 +152,20 @@ class Checkpointer:
                     time.sleep(0.2)
             raise CheckpointFailed(f"no checkpoint after {ATTEMPTS} attempts: {error}")
 
+    def unready(self) -> str:
+        """Why no checkpoint can be taken now ("" if one can): a server holding shards has
+        not registered with this coordinator (it is away, or the coordinator just started)."""
+        shard_map = self._state.shard_map
+        holders = {s.server_id for shards in shard_map.shards.values() for s in shards}
+        missing = sorted(holders - {m.server_id for m in self._state.live_servers()})
+        if missing:
+            return f"server(s) {', '.join(missing)} holding shards are not registered"
+        return ""
+
     def _take_once(self, reason: str) -> Manifest:
+        unready = self.unready()
+        if unready:
+            raise NotReady(unready)
         self._sync()  # every server at the current epoch before it is asked for its cut
         shard_map = self._state.shard_map
         step, job = self._progress()
@@ -222,7 +235,8 @@ def run_periodically(checkpointer: Checkpointer, every: Interval, steps: Callabl
             time.monotonic() - last["time"] >= every.seconds) else ""
 
     while not stopping.wait(0.2):
-        reason = "" if paused() or time.monotonic() < not_before else due()
+        reason = ("" if paused() or time.monotonic() < not_before or checkpointer.unready()
+                  else due())
         if not reason:
             continue
         try:

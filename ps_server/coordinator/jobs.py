@@ -107,6 +107,9 @@ class Task:
     holder: tuple[str, int] | None = None
     attempts: int = 0
     metrics: Metrics | None = None
+    # Who held it when a predecessor coordinator's state was saved: that holder may have
+    # finished it since (its report went to the predecessor), so its report is still taken.
+    resumed_holder: tuple[str, int] | None = None
 
 
 @dataclass
@@ -383,6 +386,9 @@ class JobRunner:
             if self.state is not JobState.RUNNING:
                 self._leave(worker, WorkerState.DONE, now)
                 return "done", None
+            # (A resumed task reported done by its old holder stays in the heap: skipped.)
+            while self._pending and self._tasks[self._pending[0][1]].state is not TaskState.PENDING:
+                heapq.heappop(self._pending)
             if not self._pending:
                 return "wait", None
             _, task_id = heapq.heappop(self._pending)
@@ -407,6 +413,15 @@ class JobRunner:
                 raise NotFound(f"task {task_id} does not exist")
             if task.state is TaskState.DONE:
                 return True
+            if task.holder != (worker_id, incarnation) and task.resumed_holder == (
+                    worker_id, incarnation):
+                # Held since before the coordinator restarted, and done: the first report
+                # wins over a lease handed out again since.
+                if task.holder is not None:
+                    other = self._workers.get(task.holder[0])
+                    if other is not None and other.incarnation == task.holder[1]:
+                        other.leased.discard(task_id)
+                task.holder = (worker_id, incarnation)
             if task.holder != (worker_id, incarnation):
                 raise FencedIncarnation(
                     f"worker {worker_id!r} incarnation {incarnation} does not hold task "
@@ -607,6 +622,15 @@ class JobRunner:
             self._started_at = now - elapsed
             self._finished_at = now if finished else None
             self._summaries, self._tasks = summaries, tasks
+            # A lease is not resumed: its holder may have finished the task with the
+            # predecessor (the state saved lags a little) and will never report it again,
+            # so it is handed out again; a late report from that holder still counts.
+            for task in tasks.values():
+                if task.state is TaskState.LEASED:
+                    task.state, task.resumed_holder, task.holder = (
+                        TaskState.PENDING, task.holder, None)
+            for worker, _ in workers:
+                worker.leased = set()
             self._pending = [(t.kind != "evaluate", t.task_id) for t in tasks.values()
                              if t.state is TaskState.PENDING]
             heapq.heapify(self._pending)

@@ -23,7 +23,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                  clients: ClientRegistry, retired: RetiredLog, incarnations: Incarnations, *,
                  token: bytes,
                  heartbeat_interval_s: float, keep_serving: bool, checkpointer=None,
-                 servers_may_stop=lambda: True):
+                 servers_may_stop=lambda: True, save_progress=lambda: None):
         self._state = state
         self._assigner = assigner
         self._runner = runner
@@ -36,6 +36,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._checkpointer = checkpointer
         # Servers are told the job is over only once this says so (after its last checkpoint).
         self._servers_may_stop = servers_may_stop
+        self._save_progress = save_progress
 
     def RegisterServer(self, request, context):
         with translate_errors(context, "RegisterServer"):
@@ -161,6 +162,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             duplicate = self._runner.complete(
                 request.worker_id, request.incarnation, request.task_id,
                 Metrics(m.loss_sum, m.examples, m.correct, m.steps, m.seconds))
+            if not duplicate:
+                # On disk before the worker hears it: a task acknowledged as done is done
+                # for a restarted coordinator too.
+                self._save_progress()
             return pb.CompleteTaskReply(duplicate=duplicate)
 
     def ReportJobError(self, request, context):

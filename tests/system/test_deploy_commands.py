@@ -1,6 +1,8 @@
 """deploy/docker-compose.yml cannot run here (no Docker engine), so this runs the closest
 real thing: each compose service's exact command as a local process, with only the service
-host names mapped to 127.0.0.1 and the fixed ports mapped to free ones."""
+host names mapped to 127.0.0.1, the fixed ports mapped to free ones and the named volumes'
+mount points mapped to directories of the test's own (shared by the services, as a named
+volume is)."""
 
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _localize(command: list[str], hosts: dict[str, str], ports: dict[str, int]) -> list[str]:
-    """Map `service:port` to 127.0.0.1:free and `--port N` to this service's free port."""
+def _localize(command: list[str], hosts: dict[str, str], ports: dict[str, int],
+              mounts: dict[str, Path] | None = None) -> list[str]:
+    """Map `service:port` to 127.0.0.1:free, `--port N` to this service's free port and a
+    volume's mount point (a key of `mounts`) to its local directory."""
     out = [sys.executable, "-m", ENTRY_MODULES[command[0]]]
     for i, arg in enumerate(command[1:], start=1):
         arg = str(arg)
@@ -41,8 +45,19 @@ def _localize(command: list[str], hosts: dict[str, str], ports: dict[str, int]) 
             arg = f"127.0.0.1:{ports[match.group(1)]}"
         elif command[i - 1] == "--port":
             arg = str(ports[hosts["__self__"]])
+        elif mounts and arg in mounts:
+            arg = str(mounts[arg])
         out.append(arg)
     return out
+
+
+def _mounts(service: dict, volumes_dir: Path) -> dict[str, Path]:
+    """A service's named volumes (`name:/path`), each as a directory under `volumes_dir`."""
+    mounts = {}
+    for entry in service.get("volumes", []):
+        name, target = entry.split(":")[:2]
+        mounts[target] = volumes_dir / name
+    return mounts
 
 
 def _wait_listening(proc: subprocess.Popen, deadline: float) -> None:
@@ -56,15 +71,18 @@ def _wait_listening(proc: subprocess.Popen, deadline: float) -> None:
     raise AssertionError(f"{proc.args} did not start listening in time")
 
 
-def test_compose_services_train_to_completion_as_local_processes():
-    services = yaml.safe_load(COMPOSE.read_text())["services"]
+def test_compose_services_train_to_completion_as_local_processes(tmp_path):
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
     ports = {name: _free_port() for name in services}
     procs: list[subprocess.Popen] = []
     try:
         order = ["coordinator", *[n for n in services if n.startswith("ps-")]]
         for name in order:
             hosts = {**{n: n for n in services}, "__self__": name}
-            command = _localize(services[name]["command"], hosts, ports)
+            mounts = _mounts(services[name], tmp_path)
+            assert {p.name for p in mounts.values()} <= set(compose.get("volumes") or {})
+            command = _localize(services[name]["command"], hosts, ports, mounts)
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                     text=True)
             procs.append(proc)
@@ -78,6 +96,8 @@ def test_compose_services_train_to_completion_as_local_processes():
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         assert [p.returncode for p in procs] == [0] * len(procs)
+        # The servers wrote their parts into the coordinator's volume: complete checkpoints.
+        assert list(tmp_path.glob("checkpoints/ckpt-*/manifest.json"))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -91,3 +111,52 @@ def test_dockerfile_copies_every_package():
     packages = re.search(r'include = \[([^\]]*)\]', pyproject).group(1)
     for package in re.findall(r'"(\w+)\*"', packages):
         assert re.search(rf"^COPY {package} {package}$", dockerfile, re.M), package
+
+
+def _flag(command: list[str], flag: str) -> str | None:
+    command = [str(a) for a in command]
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def test_compose_shares_one_checkpoint_volume_and_restarts_what_fails():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    coordinator = services["coordinator"]
+    checkpoint_dir = _flag(coordinator["command"], "--checkpoint-dir")
+    volume = next(v.split(":")[0] for v in coordinator["volumes"]
+                  if v.split(":")[1] == checkpoint_dir)
+    assert volume in compose["volumes"]
+    servers = [n for n in services if n.startswith("ps-")]
+    assert servers
+    for name in servers:
+        assert f"{volume}:{checkpoint_dir}" in services[name]["volumes"], name
+    for name, service in services.items():
+        assert service["restart"] == "on-failure", name
+
+
+def test_kubernetes_servers_are_a_statefulset_sharing_the_coordinators_volume():
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "paramserve.yaml").read_text()))
+    kinds = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+    def pod_spec(kind: str, name: str) -> dict:
+        return kinds[(kind, name)]["spec"]["template"]["spec"]
+
+    def mounted_claim(spec: dict) -> tuple[str, str]:
+        """(the claim, where it is mounted) of the pod's one container."""
+        (container,) = spec["containers"]
+        (mount,) = container["volumeMounts"]
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        return volume["persistentVolumeClaim"]["claimName"], mount["mountPath"]
+
+    coordinator, servers = pod_spec("Deployment", "ps-coordinator"), pod_spec(
+        "StatefulSet", "ps-server")
+    assert kinds[("Deployment", "ps-coordinator")]["spec"]["strategy"]["type"] == "Recreate"
+    assert coordinator["restartPolicy"] == "Always"
+    claim_name, path = mounted_claim(coordinator)
+    assert claim_name == claim["metadata"]["name"]
+    assert _flag(coordinator["containers"][0]["args"], "--checkpoint-dir") == path
+    assert mounted_claim(servers) == (claim_name, path)
+    # The server id comes from the pod name: stable across restarts of a StatefulSet pod.
+    assert _flag(servers["containers"][0]["args"], "--server-id") == "$(POD_NAME)"
