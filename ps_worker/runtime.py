@@ -258,8 +258,9 @@ class Worker:
                 self._incarnation = self._coordinator.register_worker(
                     self.worker_id).incarnation
                 self._fenced.clear()
-                log.warning("this worker was declared dead; re-registered as incarnation %d",
-                            self._incarnation)
+                log.warning("the coordinator no longer knows this worker's incarnation (it "
+                            "was declared dead, or the coordinator lost it); re-registered as "
+                            "incarnation %d", self._incarnation)
         except RemoteError:
             # A coordinator call cut short by request_stop() (CANCELLED) is no failure.
             # (An except clause runs before `finally` below sets _stop.)

@@ -143,6 +143,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         with translate_errors(context, "LeaseTask"):
             outcome, task = self._runner.lease(request.worker_id, request.incarnation)
             if outcome == "task":
+                # Saved before the worker hears it, like a completion: a restarted
+                # coordinator then still takes this worker's report of it.
+                self._save_progress()
                 return pb.LeaseTaskReply(task=pb.Task(
                     task_id=task.task_id,
                     kind=pb.TRAIN if task.kind == "train" else pb.EVALUATE,
