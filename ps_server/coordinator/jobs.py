@@ -386,8 +386,10 @@ class JobRunner:
             if self.state is not JobState.RUNNING:
                 self._leave(worker, WorkerState.DONE, now)
                 return "done", None
-            # (A resumed task reported done by its old holder stays in the heap: skipped.)
-            while self._pending and self._tasks[self._pending[0][1]].state is not TaskState.PENDING:
+            # A resumed task its old holder reported done stays in the heap (and may even
+            # have been dropped with its epoch since): skipped.
+            while self._pending and getattr(self._tasks.get(self._pending[0][1]), "state",
+                                            None) is not TaskState.PENDING:
                 heapq.heappop(self._pending)
             if not self._pending:
                 return "wait", None

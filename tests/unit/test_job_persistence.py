@@ -289,3 +289,21 @@ def test_restoring_into_a_runner_already_in_use_is_refused():
     busy.register_worker("w9")
     with pytest.raises(RuntimeError):
         busy.restore_state(state)
+
+
+def test_an_epoch_ended_by_resumed_holders_reports_goes_on_to_the_next():
+    """Every task of the epoch was leased when the state was saved, and their old holders
+    report them all done after the restart, while they still wait in the queue to be handed
+    out again: the epoch's evaluation, then the next epoch's tasks are handed out."""
+    p = part_way()
+    w0, w1 = p.incarnations["w0"], p.incarnations["w1"]
+    held = [lease_task(p.runner, "w0", w0).task_id for _ in p.pending]
+    runner, _ = restored(p.runner.export_state())
+    runner.complete("w1", w1, p.w1_holds, TRAIN)
+    for task_id in (p.w0_holds, *held):
+        runner.complete("w0", w0, task_id, TRAIN)
+    evaluation = lease_task(runner, "w0", w0)
+    assert (evaluation.kind, evaluation.epoch) == ("evaluate", 2)
+    finish(runner, "w0", w0, evaluation)
+    nxt = lease_task(runner, "w0", w0)
+    assert (nxt.kind, nxt.epoch) == ("train", 3)
