@@ -27,7 +27,6 @@ import os
 import shutil
 import struct
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
