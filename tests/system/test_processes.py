@@ -20,6 +20,7 @@ import pytest
 
 from ps_server.initializers import initialize_rows
 from ps_worker import PSClient, RemoteError, RetryPolicy
+from ps_worker.coordinator_client import CoordinatorClient
 
 pytestmark = pytest.mark.system
 
@@ -376,3 +377,62 @@ def test_a_counter_equals_the_acknowledged_pushes_across_lost_responses_and_a_se
                      + info["id"] + r" \(step", again.stderr())
     assert again.terminate_and_wait() == 0
     assert coordinator.terminate_and_wait() == 0
+
+
+def test_a_checkpoint_of_three_servers_restores_onto_two_skipping_a_truncated_newer_one(
+        spawn, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    flags = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "off",
+             "--split-threshold", "1KiB")
+
+    def start(servers: int) -> tuple[Process, str, list[Process]]:
+        coordinator = spawn([*COORDINATOR, "--port", "0", "--grace", "1",
+                             "--recovery-grace", "0", *flags])
+        address = coordinator.wait_for_address()
+        procs = [spawn([*SERVER, "--port", "0", "--coordinator", address, "--server-id",
+                        f"s{i}", "--grace", "1", "--heartbeat-interval", "0.2"])
+                 for i in range(servers)]
+        for proc in procs:
+            proc.wait_for_address()
+        with CoordinatorClient(address) as client:  # placement needs them all registered
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while sum(v["state"] == "alive" for v in client.status()["servers"]) < servers:
+                assert time.monotonic() < deadline, "servers did not register"
+                time.sleep(0.05)
+        return coordinator, address, procs
+
+    def checkpoint(address: str) -> str:
+        taken = subprocess.run([*CTL, "--coordinator", address, "checkpoint"],
+                               capture_output=True, text=True, timeout=60)
+        assert taken.returncode == 0, taken.stderr
+        return json.loads(taken.stdout)["id"]
+
+    def declare(ps: PSClient) -> None:
+        ps.declare("w", shape=(90, 8), init="glorot_uniform", seed=4,
+                   optimizer={"name": "adam", "lr": 0.01})
+
+    coordinator, address, servers = start(3)
+    rng = np.random.default_rng(1)
+    with PSClient(address, retry=PATIENT, timeout_s=10) as ps:
+        declare(ps)
+        assert len({s.server_id for s in ps.shard_map.shards_of("w")}) == 3
+        ps.push({"w": rng.normal(size=(90, 8)).astype(np.float32)})
+        kept = ps.pull("w")
+        good = checkpoint(address)
+        ps.push({"w": rng.normal(size=(90, 8)).astype(np.float32)})
+        bad = checkpoint(address)
+    for proc in (*servers, coordinator):
+        assert proc.terminate_and_wait() == 0
+    truncated = next((checkpoints / bad).glob("*.safetensors"))
+    truncated.write_bytes(truncated.read_bytes()[:-8])
+
+    coordinator, address, servers = start(2)
+    with PSClient(address, retry=PATIENT, timeout_s=10) as ps:
+        declare(ps)
+        assert len({s.server_id for s in ps.shard_map.shards_of("w")}) == 2
+        np.testing.assert_array_equal(ps.pull("w"), kept)
+    for proc in (*servers, coordinator):
+        assert proc.terminate_and_wait() == 0
+    log = coordinator.stderr()
+    assert f"checkpoint {checkpoints / bad} is unusable" in log and "truncated" in log
+    assert f"newest good checkpoint: {checkpoints / good}" in log
