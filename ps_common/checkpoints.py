@@ -186,14 +186,19 @@ class _HashingFile:
         self._tmp.unlink(missing_ok=True)
 
 
-def write_json(path: Path, doc) -> FileRecord:
+def write_file(path: Path, data: bytes) -> FileRecord:
+    """`data` in `path`, durably: a temporary name, fsync, rename, fsync of the directory."""
     out = _HashingFile(path)
     try:
-        out.write(json.dumps(doc, sort_keys=True).encode())
+        out.write(data)
         return out.commit()
     except BaseException:
         out.abort()
         raise
+
+
+def write_json(path: Path, doc) -> FileRecord:
+    return write_file(path, json.dumps(doc, sort_keys=True).encode())
 
 
 class TensorFileWriter:
@@ -438,11 +443,5 @@ def prune(root: Path, keep: int, protect: str = "") -> list[str]:
 
 def write_manifest(manifest: Manifest) -> None:
     assert manifest.directory is not None
-    out = _HashingFile(manifest.directory / MANIFEST)
-    try:
-        out.write(manifest.to_json().encode())
-        out.commit()
-    except BaseException:
-        out.abort()
-        raise
+    write_file(manifest.directory / MANIFEST, manifest.to_json().encode())
 

@@ -29,12 +29,14 @@ from ps_common.checkpoints import (
     FileRecord, TensorFileWriter, slot_name, values_name, write_json,
 )
 from ps_server.ledger import PushLedger
+from ps_server.memory import MIN_CHECKPOINT_MEMORY
 
 log = logging.getLogger(__name__)
 
 # The writer reads live values a block at a time, holding the shard's lock for one copy.
 BLOCK_ELEMENTS = 1 << 20
-DEFAULT_MEMORY_BYTES = 256 << 20  # the servicer's default; ps-server uses ps_server.memory's
+# The servicer's default; ps-server's comes from ps_server.memory.default_checkpoint_memory.
+DEFAULT_MEMORY_BYTES = MIN_CHECKPOINT_MEMORY
 
 
 class UpdateGate:
