@@ -347,16 +347,19 @@ class RowSource:
         return self._files[name]
 
     def load(self, spec: VariableSpec, row_start: int, row_stop: int,
-             slots: dict[str, np.ndarray]) -> tuple[np.ndarray, int, int]:
-        """Rows [row_start, row_stop) of `spec`'s values (returned) and of each slot (copied
-        into `slots`, made by the caller with the right dtype and shape). Also returns the
-        updates and the optimizer step count: the largest of the checkpointed shards read."""
+             slots: dict[str, np.ndarray], values: np.ndarray | None = None,
+             ) -> tuple[np.ndarray, int, int]:
+        """Rows [row_start, row_stop) of `spec`'s values (returned: `values` if given, else a
+        new array) and of each slot (copied into `slots`, made by the caller with the right
+        dtype and shape). Also returns the updates and the optimizer step count: the largest
+        of the checkpointed shards read."""
         saved = self.manifest.variables.get(spec.name)
         if saved != spec:
             raise CheckpointError(f"checkpoint {self.manifest.id} holds {spec.name!r} as "
                                   f"{saved.describe() if saved else 'nothing'}, not "
                                   f"{spec.describe()}")
-        values = np.empty((row_stop - row_start, *spec.shape[1:]), dtype=spec.dtype)
+        if values is None:
+            values = np.empty((row_stop - row_start, *spec.shape[1:]), dtype=spec.dtype)
         covered, updates, steps = 0, 0, 0
         for record in self.manifest.shards_of(spec.name):
             lo, hi = max(row_start, record.row_start), min(row_stop, record.row_stop)

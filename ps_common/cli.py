@@ -41,6 +41,11 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["debug", "info", "warning", "error"])
 
 
+def add_shared_memory_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """--no-shm: the same flag on every command that moves tensors or starts what does."""
+    parser.add_argument("--no-shm", action="store_true", help=f"do not {what}")
+
+
 def add_server_loss_arguments(parser: argparse.ArgumentParser) -> None:
     """--server-timeout and --reinitialize-lost-shards: what the coordinator does about a
     parameter server that is gone or came back without its shards (ps-coordinator, and

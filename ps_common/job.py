@@ -48,6 +48,9 @@ class JobSpec:
     tasks_per_epoch: int = 8
     # Where the coordinator keeps checkpoints (its --checkpoint-dir wins); "" for none.
     checkpoint_dir: str = ""
+    # Workers on a server's host pull and push through shared memory where the server offers
+    # it; False: every worker uses gRPC (ps-coordinator --no-shm).
+    shared_memory: bool = True
 
     def __post_init__(self):
         def need(ok: bool, field: str, want: str):
@@ -76,6 +79,7 @@ class JobSpec:
         need(isinstance(self.tasks_per_epoch, int) and self.tasks_per_epoch >= 1,
              "tasks_per_epoch", "must be an integer >= 1")
         need(isinstance(self.checkpoint_dir, str), "checkpoint_dir", "must be a path")
+        need(isinstance(self.shared_memory, bool), "shared_memory", "must be true or false")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "job") -> "JobSpec":

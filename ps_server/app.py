@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ps_common import shm
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, check_chunk_bytes, make_channel
 from ps_common.wire import shard_to_proto, shardmap_to_proto, spec_to_proto
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -18,6 +19,7 @@ from ps_server.daemon import Daemon
 from ps_server.ledger import PushLedger
 from ps_server.memory import default_checkpoint_memory, default_memory_budget
 from ps_server.servicer import ParameterServerServicer, add_to_server
+from ps_server.shared_memory import SharedMemory, clear_dead
 from ps_server.store import ShardStore
 from ps_server.streams import StreamLimiter, handler_threads
 
@@ -50,6 +52,9 @@ class ServerConfig:
     # (ps_server.snapshots); past it, pushes to shards not yet written wait for the writer.
     # None: 15% of the machine's or container's memory (ps_server.memory).
     checkpoint_memory_bytes: int | None = None
+    # Offer clients on this host the shared-memory data path (ps_server.shared_memory),
+    # where the machine allows it (ps_common.shm.supported).
+    shared_memory: bool = True
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -84,7 +89,8 @@ class ParameterServer:
 
     def __init__(self, config: ServerConfig, *, interceptors=()):
         self.config = config
-        self.store = ShardStore(allow_non_finite=config.allow_non_finite)
+        self.shared = self._shared_memory(config)
+        self.store = ShardStore(allow_non_finite=config.allow_non_finite, memory=self.shared)
         self.ledger = PushLedger()
         self.fence = CoordinatorFence()
         self.memory_budget_bytes = (default_memory_budget() if config.memory_budget_bytes is None
@@ -97,7 +103,8 @@ class ParameterServer:
                                            checkpoint_memory_bytes=(
                                                default_checkpoint_memory()
                                                if config.checkpoint_memory_bytes is None
-                                               else config.checkpoint_memory_bytes))
+                                               else config.checkpoint_memory_bytes),
+                                           shared=self.shared)
         self._daemon = Daemon(
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: add_to_server(servicer, s), interceptors=interceptors,
@@ -111,6 +118,28 @@ class ParameterServer:
         self._membership_rpc: grpc.Future | None = None  # the call stop() cancels
         self._membership_lock = threading.Lock()
         self.registered = threading.Event()
+
+    @staticmethod
+    def _shared_memory(config: ServerConfig) -> SharedMemory | None:
+        if not config.shared_memory:
+            log.info("shared memory off (--no-shm): clients on this host use gRPC")
+            return None
+        unsupported = shm.supported()
+        if unsupported is not None:
+            log.info("%s", unsupported)
+            return None
+        clear_dead()
+        try:
+            return SharedMemory()
+        except OSError as error:
+            log.warning("no shared memory (%s): clients on this host use gRPC",
+                        error.strerror or error)
+            return None
+
+    @property
+    def data_path(self) -> str:
+        """What this server offers clients on its host: "shm" or "grpc"."""
+        return "grpc" if self.shared is None else "shm"
 
     def start(self) -> "ParameterServer":
         self._daemon.start()
@@ -130,6 +159,8 @@ class ParameterServer:
         if rpc is not None:
             rpc.cancel()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
+        if self.shared is not None:
+            self.shared.close()
         if self._membership is not None and self._membership is not threading.current_thread():
             self._membership.join(timeout=5.0)
 
@@ -177,6 +208,8 @@ class ParameterServer:
                     registered = reply.known
                     for client in reply.retired:
                         self.ledger.retire(client.client_id, client.incarnation)
+                        if self.shared is not None:
+                            self.shared.close_client(client.client_id)
                     self.fence.advance_retired(generation, reply.retired_through)
                     if reply.shutdown:
                         log.info("the coordinator says the job is over: shutting down")

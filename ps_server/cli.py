@@ -7,7 +7,8 @@ import logging
 import sys
 
 from ps_common.cli import (
-    add_daemon_arguments, fail, parse_address, parse_bytes, run_until_signal, setup_logging,
+    add_daemon_arguments, add_shared_memory_argument, fail, parse_address, parse_bytes,
+    run_until_signal, setup_logging,
 )
 from ps_common.rpc import DEFAULT_CHUNK_BYTES
 from ps_server.app import ParameterServer, ServerConfig
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory a checkpoint may use for copies of shards that pushes change "
                    "while it writes; past it those pushes wait for the writer (default: 15%% "
                    "of the machine's or container's memory, at least 256MiB)")
+    add_shared_memory_argument(p, "offer clients on this host the shared-memory data path; "
+                               "with it, every client uses gRPC")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long RPCs in flight may finish after SIGTERM")
     return p
@@ -58,7 +61,8 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             chunk_bytes=args.chunk_bytes, allow_non_finite=args.allow_non_finite,
             grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval,
             max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout,
-            checkpoint_memory_bytes=args.checkpoint_memory)
+            checkpoint_memory_bytes=args.checkpoint_memory,
+            shared_memory=not args.no_shm)
     except ValueError as error:
         fail(parser, str(error))
         raise

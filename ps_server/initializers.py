@@ -57,16 +57,18 @@ def glorot_limit(shape: tuple[int, ...]) -> float:
     return math.sqrt(6.0 / (fan_in + fan_out))
 
 
-def initialize_rows(spec: VariableSpec, row_start: int, row_stop: int) -> np.ndarray:
-    """Rows [row_start, row_stop) of `spec`'s initial value, as a new C-contiguous array."""
+def initialize_rows(spec: VariableSpec, row_start: int, row_stop: int,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Rows [row_start, row_stop) of `spec`'s initial value, as a C-contiguous array: `out`
+    (of that shape and dtype) if given, else a new one."""
     shape = (row_stop - row_start, *spec.shape[1:])
+    if out is None:
+        out = np.empty(shape, dtype=spec.dtype)
     init = spec.initializer
-    if init.name == "zeros":
-        return np.zeros(shape, dtype=spec.dtype)
-    if init.name == "constant":
-        return np.full(shape, init.get("value", 0.0), dtype=spec.dtype)
+    if init.name in ("zeros", "constant"):
+        out.fill(init.get("value", 0.0) if init.name == "constant" else 0)
+        return out
 
-    out = np.empty(shape, dtype=spec.dtype)
     flat_out = out.reshape(row_stop - row_start, -1)
     gen_dtype = np.float64 if spec.dtype == "float64" else np.float32
     if init.name == "glorot_uniform":

@@ -45,9 +45,7 @@ class PushReceiver:
         `more_data` yields the data of the following chunks (it raises for a malformed
         stream); everything is validated before anything is applied.
         """
-        if not header.client_id or header.sequence < 1:
-            raise InvalidArgument(
-                "push header needs a client_id and a sequence >= 1 (exactly-once identity)")
+        _check_identity(header)
         if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
             for _ in more_data:  # drain: the sender is still streaming
                 pass
@@ -62,22 +60,48 @@ class PushReceiver:
             assembler.finish()
             grads = [_decode(buf, meta, held.spec.dtype)
                      for buf, meta, held in zip(buffers, header.metas, targets)]
-            self._store.check_gradients(targets, grads)
-            # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
-            # checkpoint with its ledger entry, or not at all.
-            with self._store.gate.shared(), self._ledger.exactly_once(
-                    header.client_id, header.incarnation, header.sequence,
-                    header.acked_through) as duplicate:
-                if not duplicate:
-                    self._store.apply(targets, grads)
-            return duplicate
+            return self._apply(header, targets, grads)
         finally:
             for buffer in buffers:
                 self._buffers.release(buffer)
 
+    def receive_shared(self, header: PushHeader, data: memoryview) -> bool:
+        """The same for a push whose tensors lie back to back at the start of `data` (a
+        client's push slot in shared memory): read in place, no copy."""
+        _check_identity(header)
+        if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
+            return True
+        targets = self._store.plan_push(header.epoch, header.refs, header.metas)
+        total = sum(meta.nbytes for meta in header.metas)
+        if total > len(data):
+            raise InvalidArgument(f"push names {total} bytes of tensors but its shared-memory "
+                                  f"slot holds {len(data)}")
+        grads, offset = [], 0
+        for meta, held in zip(header.metas, targets):
+            grads.append(_decode(data[offset:offset + meta.nbytes], meta, held.spec.dtype))
+            offset += meta.nbytes
+        return self._apply(header, targets, grads)
 
-def _decode(buffer: np.ndarray, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
+    def _apply(self, header: PushHeader, targets, grads) -> bool:
+        self._store.check_gradients(targets, grads)
+        # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
+        # checkpoint with its ledger entry, or not at all.
+        with self._store.gate.shared(), self._ledger.exactly_once(
+                header.client_id, header.incarnation, header.sequence,
+                header.acked_through) as duplicate:
+            if not duplicate:
+                self._store.apply(targets, grads)
+        return duplicate
+
+
+def _check_identity(header: PushHeader) -> None:
+    if not header.client_id or header.sequence < 1:
+        raise InvalidArgument(
+            "push header needs a client_id and a sequence >= 1 (exactly-once identity)")
+
+
+def _decode(buffer, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
     grad = view_bytes(buffer, meta)
-    # Views of our own receive buffer are writable: the optimizer uses the gradient as
-    # scratch, and the buffer is reused once the push is done.
+    # Views of our own receive buffer (or of the client's push slot) are writable: the
+    # optimizer uses the gradient as scratch, and the buffer is reused once the push is done.
     return grad if grad.dtype == stored_dtype else grad.astype(stored_dtype)

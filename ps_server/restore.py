@@ -32,10 +32,13 @@ class ShardRestore:
         self.unreadable = False  # ... because the checkpoint cannot be read
         self.step = 0
         self._source: RowSource | None = None
+        self._memory = None
 
     def prepare(self, specs: dict[str, VariableSpec], shards: list[Shard],
-                held: set[tuple[Shard, VariableSpec]]) -> None:
-        """Read every shard of `shards` named for restore that is not held already."""
+                held: set[tuple[Shard, VariableSpec]], memory=None) -> None:
+        """Read every shard of `shards` named for restore that is not held already, into
+        arrays from `memory` (a store's value memory; ordinary memory if None)."""
+        self._memory = memory
         wanted = [s for s in shards
                   if s.key in self.shards and (s, specs[s.variable]) not in held]
         if not wanted:
@@ -51,13 +54,23 @@ class ShardRestore:
             self._give_up(f"out of memory restoring from {self.checkpoint}", unreadable=False)
 
     def _give_up(self, message: str, *, unreadable: bool) -> None:
+        if self._memory is not None:
+            for held in self.created.values():
+                self._memory.retire(held.values)
         self.created.clear()
         self.error, self.unreadable = message, unreadable
 
     def _read(self, spec: VariableSpec, shard: Shard) -> HeldShard:
         state = make_state(spec, shard.shape(spec))
-        values, updates, steps = self._source.load(spec, shard.row_start, shard.row_stop,
-                                                   state.slots)
+        values = (None if self._memory is None
+                  else self._memory.empty(shard.shape(spec), spec.dtype))
+        try:
+            values, updates, steps = self._source.load(spec, shard.row_start, shard.row_stop,
+                                                       state.slots, values)
+        except BaseException:
+            if values is not None:
+                self._memory.retire(values)
+            raise
         state.steps = steps
         # At least one update: a restored shard holds trained values and is never dropped
         # or re-created from its initializer.

@@ -24,6 +24,7 @@ from ps_server.ledger import PushLedger
 from ps_server import snapshots
 from ps_server.pushes import PushHeader, PushReceiver
 from ps_server.restore import ShardRestore
+from ps_server.shared_memory import SharedMemory
 from ps_server.store import HeldShard, ShardStore
 from ps_server.streams import StreamLimiter
 
@@ -47,8 +48,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int,
                  fence: CoordinatorFence, streams: StreamLimiter, server_id: str = "",
                  buffers: BufferPool | None = None, snapshot_bytes: int = SNAPSHOT_BYTES,
-                 checkpoint_memory_bytes: int = snapshots.DEFAULT_MEMORY_BYTES):
+                 checkpoint_memory_bytes: int = snapshots.DEFAULT_MEMORY_BYTES,
+                 shared: SharedMemory | None = None):
         self._store = store
+        self._shared = shared
         self._ledger = ledger
         self._checkpoint_memory = checkpoint_memory_bytes
         # Set by the app once the port is bound (a server's id defaults to its address).
@@ -86,18 +89,91 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             first: Chunk | None = next(chunks, None)
             if first is None or first.header is None:
                 raise InvalidArgument("a push stream must start with a chunk carrying its header")
-            try:
-                h = pb.PushHeader.FromString(first.header)
-            except DecodeError:
-                raise InvalidArgument("malformed push header") from None
-            header = PushHeader(
-                client_id=h.client_id, incarnation=h.incarnation, sequence=h.sequence,
-                acked_through=h.acked_through, epoch=h.epoch,
-                refs=[(r.variable, r.index) for r in h.shards],
-                metas=[TensorMeta.from_proto(t, what=f"push tensor {i}")
-                       for i, t in enumerate(h.tensors)])
+            header = _push_header(_parse_header(first.header))
             duplicate = self._pushes.receive(header, first.data, map(_data_only, chunks))
             return pb.PushReply(duplicate=duplicate)
+
+    # Unary calls hold a handler thread only while the server works on them (never while
+    # waiting on the peer), so they need no stream slot and no idle watchdog.
+
+    def PullUnary(self, request: pb.PullRequest, context):
+        with translate_errors(context, "PullUnary"):
+            wire = (dtype_from_proto(request.wire_dtype, what="pull wire_dtype")
+                    if request.wire_dtype else None)
+            plan = self._store.plan_pull(
+                request.epoch, [(r.variable, r.index) for r in request.shards], wire)
+            total = sum(meta.nbytes for _, meta in plan)
+            if total > self._chunk_bytes:
+                raise InvalidArgument(f"PullUnary of {total} bytes: more than one chunk "
+                                      f"({self._chunk_bytes} bytes); use Pull")
+            header = pb.PullHeader(tensors=[meta.to_proto() for _, meta in plan])
+            data = b"".join(array_reader(held.values, meta.dtype, held.lock)(0, meta.nbytes)
+                            for held, meta in plan)
+            return encode_chunk(header.SerializeToString(), data)
+
+    def PushUnary(self, chunk: Chunk | InvalidArgument, context):
+        with translate_errors(context, "PushUnary"):
+            chunk = _checked(chunk)
+            if chunk.header is None:
+                raise InvalidArgument("a push must carry its header")
+            header = _push_header(_parse_header(chunk.header))
+            return pb.PushReply(duplicate=self._pushes.receive(header, chunk.data, ()))
+
+    # ---- shared memory (ps_server.shared_memory) ---------------------------------------
+
+    def OpenSharedMemory(self, request: pb.OpenSharedMemoryRequest, context):
+        with translate_errors(context, "OpenSharedMemory"):
+            if self._shared is None:
+                return pb.OpenSharedMemoryReply(offered=False)
+            session = self._shared.open_session(request.client_id)
+            return pb.OpenSharedMemoryReply(
+                offered=True, probe=session.probe.name, control=self._shared.control.name,
+                session=session.id)
+
+    def AttachShards(self, request: pb.AttachShardsRequest, context):
+        with translate_errors(context, "AttachShards"):
+            if self._shared_session(request) is None:
+                return pb.AttachShardsReply(session_lost=True)
+            self._store.check_epoch(request.epoch)
+            shards = []
+            for held in self._store.lookup([(r.variable, r.index) for r in request.shards]):
+                segment = self._shared.segment_of(held.values)
+                shards.append(pb.SharedShard(
+                    shard=pb.ShardRef(variable=held.key[0], index=held.key[1]),
+                    segment=segment.name if segment is not None else "",
+                    meta=TensorMeta(held.spec.dtype, held.shape).to_proto()))
+            return pb.AttachShardsReply(shards=shards)
+
+    def PushShared(self, request: pb.PushSharedRequest, context):
+        with translate_errors(context, "PushShared"):
+            session = self._shared_session(request)
+            if session is None:
+                return pb.PushSharedReply(session_lost=True)
+            if request.slot == 0:
+                try:
+                    slot, segment = self._shared.new_slot(session, request.slot_bytes,
+                                                          max(self._store.nbytes(), 1))
+                except OSError as error:
+                    log.warning("no shared-memory push slot of %d bytes for %s (%s): its "
+                                "pushes go over gRPC", request.slot_bytes, session.client_id,
+                                error.strerror or error)
+                    return pb.PushSharedReply()
+                return pb.PushSharedReply(slot=slot, segment=segment.name)
+            segment = self._shared.slot(session, request.slot)
+            duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data)
+            return pb.PushSharedReply(reply=pb.PushReply(duplicate=duplicate))
+
+    def CloseSharedMemory(self, request: pb.CloseSharedMemoryRequest, context):
+        with translate_errors(context, "CloseSharedMemory"):
+            session = self._shared_session(request)
+            if session is not None:
+                self._shared.close_session(session)
+            return pb.CloseSharedMemoryReply()
+
+    def _shared_session(self, request):
+        if self._shared is None:
+            return None
+        return self._shared.session(request.session, request.secret)
 
     def AssignShards(self, request: pb.AssignShardsRequest, context):
         with translate_errors(context, "AssignShards"):
@@ -130,7 +206,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             return None
         restore = ShardRestore(Path(request.restore.checkpoint),
                                {(r.variable, r.index) for r in request.restore.shards})
-        restore.prepare(specs, mine, {(h.shard, h.spec) for h in self._store.held()})
+        restore.prepare(specs, mine, {(h.shard, h.spec) for h in self._store.held()},
+                        self._store.memory)
         if request.restore.ledger and restore.created:
             state = restore.ledger(self.server_id)
             if state is not None:
@@ -233,6 +310,22 @@ class _PullSource:
         self._budget.release(buffer.nbytes)
 
 
+def _parse_header(raw) -> pb.PushHeader:
+    try:
+        return pb.PushHeader.FromString(raw)
+    except DecodeError:
+        raise InvalidArgument("malformed push header") from None
+
+
+def _push_header(h: pb.PushHeader) -> PushHeader:
+    return PushHeader(
+        client_id=h.client_id, incarnation=h.incarnation, sequence=h.sequence,
+        acked_through=h.acked_through, epoch=h.epoch,
+        refs=[(r.variable, r.index) for r in h.shards],
+        metas=[TensorMeta.from_proto(t, what=f"push tensor {i}")
+               for i, t in enumerate(h.tensors)])
+
+
 def _data_only(chunk: Chunk):
     if chunk.header is not None:
         raise InvalidArgument("push stream carries a second header")
@@ -269,6 +362,19 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
         "Push": grpc.stream_unary_rpc_method_handler(
             servicer.Push, request_deserializer=_decode_push_chunk,
             response_serializer=pb.PushReply.SerializeToString),
+        "PullUnary": grpc.unary_unary_rpc_method_handler(
+            servicer.PullUnary, request_deserializer=pb.PullRequest.FromString,
+            response_serializer=_identity),
+        "PushUnary": grpc.unary_unary_rpc_method_handler(
+            servicer.PushUnary, request_deserializer=_decode_push_chunk,
+            response_serializer=pb.PushReply.SerializeToString),
+        **{name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=request.FromString,
+            response_serializer=reply.SerializeToString) for name, request, reply in (
+                ("OpenSharedMemory", pb.OpenSharedMemoryRequest, pb.OpenSharedMemoryReply),
+                ("AttachShards", pb.AttachShardsRequest, pb.AttachShardsReply),
+                ("PushShared", pb.PushSharedRequest, pb.PushSharedReply),
+                ("CloseSharedMemory", pb.CloseSharedMemoryRequest, pb.CloseSharedMemoryReply))},
         "AssignShards": grpc.unary_unary_rpc_method_handler(
             servicer.AssignShards, request_deserializer=pb.AssignShardsRequest.FromString,
             response_serializer=pb.AssignShardsReply.SerializeToString),

@@ -16,6 +16,7 @@ from ps_common.errors import (
     InvalidArgument, NotReady, StaleEpoch, TrainedShardConflict, UnknownVariable,
 )
 from ps_common.shardmap import Shard, VariableSpec
+from ps_common.shm import VERSION
 from ps_common.tensors import TensorMeta, check_narrowing
 from ps_server.initializers import initialize_rows, validate_initializer
 from ps_server.optimizers import ShardOptimizerState, apply_update, make_state, resolve_knobs
@@ -35,6 +36,9 @@ class HeldShard:
     knobs: dict[str, float]
     lock: threading.Lock = field(default_factory=threading.Lock)
     updates: int = 0  # pushes applied (under `lock`): > 0 means trained values
+    # The header words of the shared-memory segment holding `values` (ps_common.shm), whose
+    # sequence lock apply() bumps around every update; None in ordinary memory.
+    seqlock: np.ndarray | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -49,6 +53,27 @@ class HeldShard:
         return f"variable {s.variable!r} shard {s.index} (rows {s.row_start}:{s.row_stop})"
 
 
+class PlainMemory:
+    """Where a store keeps shard values: ordinary memory. (ps_server.shared_memory keeps
+    them in shared-memory segments, with the same four methods.)"""
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    @staticmethod
+    def seqlock(values: np.ndarray) -> None:
+        return None
+
+    @staticmethod
+    def retire(values: np.ndarray) -> None:
+        pass
+
+    @staticmethod
+    def set_epoch(epoch: int) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class AssignOutcome:
     created: int
@@ -58,8 +83,9 @@ class AssignOutcome:
 class ShardStore:
     """Thread-safe. Holds shards keyed by (variable, shard index) and the shard-map epoch."""
 
-    def __init__(self, *, allow_non_finite: bool = False):
+    def __init__(self, *, allow_non_finite: bool = False, memory=None):
         self.allow_non_finite = allow_non_finite
+        self.memory = memory or PlainMemory()
         self._shards: dict[tuple[str, int], HeldShard] = {}
         self._epoch = 0
         self._lock = threading.Lock()
@@ -150,7 +176,8 @@ class ShardStore:
                         else:
                             created[key] = held
                         continue
-                    values = initialize_rows(spec, shard.row_start, shard.row_stop)
+                    values = initialize_rows(spec, shard.row_start, shard.row_stop,
+                                             out=self.memory.empty(shard.shape(spec), spec.dtype))
                     state = make_state(spec, values.shape)
                 except MemoryError:
                     failed.append((shard, (
@@ -159,11 +186,17 @@ class ShardStore:
                         f"{shard.nbytes(spec) / 2**20:.1f} MiB of values)")))
                     continue
                 created[key] = HeldShard(spec, shard, values, state, resolve_knobs(spec))
+            for held in created.values():
+                held.seqlock = self.memory.seqlock(held.values)
             with self._lock:
                 kept = {key: held for key, held in current.items() if key in wanted
                         and held.shard == wanted[key] and held.spec == specs[key[0]]}
                 self._shards = {**kept, **created}
                 self._epoch = epoch
+            self.memory.set_epoch(epoch)
+            for key, held in current.items():
+                if kept.get(key) is not held:
+                    self.memory.retire(held.values)
         if created or failed:
             log.info("epoch %d: created %d shard(s), holding %d%s", epoch, len(created),
                      len(wanted) - len(failed),
@@ -266,7 +299,11 @@ class ShardStore:
                 blocked = capture.preserve([h for h, _ in ordered]) if capture else None
                 if blocked is None:
                     for held, grad in ordered:
+                        if held.seqlock is not None:
+                            held.seqlock[VERSION] += 1  # odd: readers of the segment retry
                         apply_update(held.spec, held.knobs, held.values, held.state, grad)
+                        if held.seqlock is not None:
+                            held.seqlock[VERSION] += 1
                         held.updates += 1
                     return
             finally:

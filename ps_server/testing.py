@@ -83,7 +83,7 @@ class FaultInjector(grpc.ServerInterceptor):
         behavior = getattr(handler, kind)
 
         def wrapped(request, context):
-            action, code = self._take(method)
+            action, code = self._take(_family(method, request))
             if action == "hold":
                 code.wait(timeout=60.0)  # bounded: a forgotten event never hangs a server
             if action == "fail":
@@ -100,6 +100,18 @@ class FaultInjector(grpc.ServerInterceptor):
         return handler._replace(**{kind: wrapped})
 
 
+# Data-path calls are counted and faulted by what they do: "Pull" and "Push" name every
+# way of pulling over the wire and of pushing (a push through shared memory included: its
+# header still travels as a call; pulls through shared memory make none).
+_FAMILIES = {"PullUnary": "Pull", "PushUnary": "Push", "PushShared": "Push"}
+
+
+def _family(method: str, request) -> str:
+    if method == "PushShared" and not request.slot:
+        return "PushSharedSlot"  # asks for a slot: no push in it
+    return _FAMILIES.get(method, method)
+
+
 class InProcessCluster:
     """A coordinator and N parameter servers in this process on OS-chosen ports.
 
@@ -109,6 +121,7 @@ class InProcessCluster:
     checkpoints: the coordinator finds its trained shards lost (DATA_LOSS), or re-creates
     them from their initializers with `reinitialize_lost_shards=True`.
     `restart_coordinator()` replaces the coordinator with a fresh one on the same port.
+    `shared_memory=False` starts the servers with --no-shm (every client then uses gRPC).
     With `checkpoint_dir`, the coordinator takes checkpoints there (`checkpoint()` takes one
     now; periodic ones only with `checkpoint_every`) and a restarted server gets its shards
     back from the newest one.
@@ -121,7 +134,7 @@ class InProcessCluster:
                  server_timeout_s: float = 60.0, max_streams: int | None = None,
                  stream_idle_timeout_s: float | None = None,
                  checkpoint_dir: str | Path | None = None,
-                 checkpoint_every: Interval | None = None):
+                 checkpoint_every: Interval | None = None, shared_memory: bool = True):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,
@@ -133,7 +146,7 @@ class InProcessCluster:
             checkpoint_every=checkpoint_every)
         self._server_kwargs = dict(
             heartbeat_interval_s=heartbeat_interval_s, allow_non_finite=allow_non_finite,
-            memory_budget_bytes=memory_budget_bytes, grace_s=1.0)
+            memory_budget_bytes=memory_budget_bytes, grace_s=1.0, shared_memory=shared_memory)
         if chunk_bytes is not None:
             self._server_kwargs["chunk_bytes"] = chunk_bytes
         # None: ServerConfig's defaults (--max-streams, --stream-idle-timeout).

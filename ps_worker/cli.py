@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from ps_common.cli import parse_address, setup_logging
+from ps_common.cli import add_shared_memory_argument, parse_address, setup_logging
 from ps_common.job import JobError
 from ps_common.status import RemoteError
 from ps_worker.backend import BackendUnavailable
@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID)")
     p.add_argument("--coordinator-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="give up when the coordinator is unreachable this long (default 30)")
+    add_shared_memory_argument(p, "pull and push through shared memory with servers on this "
+                               "host; with it, everything goes over gRPC")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long SIGTERM may take to end the worker cleanly before it exits "
                    "at once (default 5); it holds nothing that must survive")
@@ -46,7 +48,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         parser.error(f"--grace {args.grace}: must be >= 0")
     worker = Worker(WorkerConfig(coordinator=args.coordinator, device=args.device,
                                  worker_id=args.worker_id,
-                                 coordinator_timeout_s=args.coordinator_timeout))
+                                 coordinator_timeout_s=args.coordinator_timeout,
+                                 shared_memory=not args.no_shm))
     # The worker runs on its own thread and the main thread only handles signals: a Python
     # signal handler runs on the main thread between two bytecodes, and one that set an event
     # the main thread was inside the wait of (or started a thread while it held threading's

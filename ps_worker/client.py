@@ -40,6 +40,7 @@ from ps_common.tensors import (
     encode_chunk, from_wire, iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
+from ps_worker.shared_memory import SessionLost, SharedSession
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 
@@ -62,18 +63,36 @@ def _local_error(code: grpc.StatusCode, message: str) -> RemoteError:
 
 
 class _DataPath:
-    """Pull and Push of one server, with the chunk codec of ps_common.tensors instead of
-    protobuf messages around each chunk (same wire format, a fraction of the CPU)."""
+    """The data-path calls of one server, with the chunk codec of ps_common.tensors instead
+    of protobuf messages around each chunk (same wire format, a fraction of the CPU)."""
 
     def __init__(self, channel: grpc.Channel):
+        method = "/ps.v1.ParameterServer/"
         self.Pull = channel.unary_stream(
-            "/ps.v1.ParameterServer/Pull",
-            request_serializer=ps_pb.PullRequest.SerializeToString,
+            method + "Pull", request_serializer=ps_pb.PullRequest.SerializeToString,
             response_deserializer=decode_chunk)
         self.Push = channel.stream_unary(
-            "/ps.v1.ParameterServer/Push",
-            request_serializer=lambda raw: raw,
+            method + "Push", request_serializer=_identity,
             response_deserializer=ps_pb.PushReply.FromString)
+        self.PullUnary = channel.unary_unary(
+            method + "PullUnary", request_serializer=ps_pb.PullRequest.SerializeToString,
+            response_deserializer=decode_chunk)
+        self.PushUnary = channel.unary_unary(
+            method + "PushUnary", request_serializer=_identity,
+            response_deserializer=ps_pb.PushReply.FromString)
+        for name, request, reply in (
+                ("OpenSharedMemory", ps_pb.OpenSharedMemoryRequest, ps_pb.OpenSharedMemoryReply),
+                ("AttachShards", ps_pb.AttachShardsRequest, ps_pb.AttachShardsReply),
+                ("PushShared", ps_pb.PushSharedRequest, ps_pb.PushSharedReply),
+                ("CloseSharedMemory", ps_pb.CloseSharedMemoryRequest,
+                 ps_pb.CloseSharedMemoryReply)):
+            setattr(self, name, channel.unary_unary(
+                method + name, request_serializer=request.SerializeToString,
+                response_deserializer=reply.FromString))
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,8 @@ class PSClient:
         max_in_flight_pushes: window of `push_async`; a further call blocks until one ends.
         allow_non_finite: do not refuse NaN/Inf gradients client-side (servers started with
             --allow-non-finite accept them).
+        shared_memory: with a server on this host that offers it, pull and push through
+            shared memory (ps_worker.shared_memory); False: always gRPC (--no-shm).
     """
 
     def __init__(
@@ -119,6 +140,7 @@ class PSClient:
         retry: RetryPolicy | None = None,
         max_in_flight_pushes: int = 4,
         allow_non_finite: bool = False,
+        shared_memory: bool = True,
     ):
         check_chunk_bytes(chunk_bytes)
         if max_in_flight_pushes < 1:
@@ -159,6 +181,9 @@ class PSClient:
         self._interrupted = threading.Event()  # see interrupt()
         self._wire_calls: set = set()  # data-path calls in progress (interrupt cancels them)
         self._unreachable: set[str] = set()  # servers whose outage has been logged
+        self._use_shared_memory = shared_memory
+        # Address -> shared-memory session, or None: that server's calls go over gRPC.
+        self._shared: dict[str, SharedSession | None] = {}
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -204,8 +229,23 @@ class PSClient:
         self._interrupted.set()
         with self._lock:
             calls = list(self._wire_calls)
+            # Unary data-path calls block without a future (a future costs a thread handoff
+            # per call); closing their channels is what ends them.
+            channels = list(self._channels.values())
         for call in calls:
             call.cancel()
+        for channel in channels:
+            channel.close()
+
+    def _unary(self, method, request, timeout: float, server_id: str):
+        """A blocking unary data-path call, ended by interrupt() (which closes its channel)."""
+        try:
+            return method(request, timeout=timeout)
+        except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
+            if not self._interrupted.is_set():
+                raise
+            raise _local_error(grpc.StatusCode.CANCELLED,
+                               f"call to {server_id} interrupted") from None
 
     @contextlib.contextmanager
     def _on_the_wire(self, call):
@@ -234,6 +274,11 @@ class PSClient:
         self._prefetch_pool.shutdown(wait=True)
         self._rpc_pool.shutdown(wait=True)
         self._release_incarnation()
+        with self._lock:
+            sessions = [x for x in self._shared.values() if x is not None]
+            self._shared.clear()
+        for session in sessions:
+            session.close()
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
@@ -422,18 +467,78 @@ class PSClient:
             wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0,
         )
         nbytes = sum(d.nbytes for d in destinations)
-        stub = self._stub(shard_map.servers[server_id])
+        address = shard_map.servers[server_id]
+        stub = self._stub(address)
+        if self._pull_shared(shard_map, server_id, shards, outputs, wire_dtype):
+            return
 
         def attempt():
             assembler = StreamAssembler(destinations, what=f"pull from {server_id}")
-            with self._on_the_wire(stub.Pull(request, timeout=self._deadline(nbytes))) as call:
-                for chunk in call:
-                    assembler.write(chunk.data)
+            if nbytes <= self._chunk_bytes:  # one message each way: no stream to set up
+                assembler.write(self._unary(stub.PullUnary, request, self._deadline(nbytes),
+                                            server_id).data)
+            else:
+                with self._on_the_wire(stub.Pull(request,
+                                                 timeout=self._deadline(nbytes))) as call:
+                    for chunk in call:
+                        assembler.write(chunk.data)
             assembler.finish()
 
         self._call_server(attempt, shard_map, server_id, self._read_retry)
         for rows, raw, wire in conversions:
             rows[...] = from_wire(raw, wire)
+
+    def _pull_shared(self, shard_map: ShardMap, server_id: str, shards: list[Shard],
+                     outputs: dict[str, np.ndarray], wire_dtype: str | None) -> bool:
+        """The pull through shared memory, if this server shares it with us; False: over
+        gRPC. Values pass through the wire dtype as they would on the wire."""
+        session = self._shared_session(shard_map, server_id)
+        if session is None:
+            return False
+        rows = [outputs[s.variable][s.row_start:s.row_stop] for s in shards]
+        try:
+            done = session.read(shard_map.epoch, shards, rows, self._timeout_s)
+        except SessionLost:
+            self._forget_shared(shard_map.servers[server_id], session)
+            return False
+        if done and wire_dtype is not None:
+            for shard, values in zip(shards, rows):
+                if wire_dtype != shard_map.variables[shard.variable].dtype:
+                    values[...] = from_wire(to_wire(values, wire_dtype), wire_dtype)
+        return done
+
+    def _shared_session(self, shard_map: ShardMap, server_id: str) -> SharedSession | None:
+        """This server's shared-memory session, opened (the handshake) on first use."""
+        if not self._use_shared_memory:
+            return None
+        address = shard_map.servers[server_id]
+        with self._lock:
+            if address in self._shared:
+                return self._shared[address]
+        session = SharedSession.open(self._stub(address), self.client_id, server_id)
+        with self._lock:
+            if address in self._shared:  # another thread's handshake won
+                extra, session = session, self._shared[address]
+            else:
+                extra, self._shared[address] = None, session
+        if extra is not None:
+            extra.close()
+        return session
+
+    def _forget_shared(self, address: str, session: SharedSession) -> None:
+        """The server ended the session (it restarted or stopped): the next call opens a
+        new one, or goes over gRPC."""
+        with self._lock:
+            if self._shared.get(address) is session:
+                del self._shared[address]
+
+    @property
+    def data_paths(self) -> dict[str, str]:
+        """Per server address this client has used: "shm" or "grpc"."""
+        with self._lock:
+            addresses = set(self._stubs)
+            return {a: "shm" if self._shared.get(a) is not None else "grpc"
+                    for a in sorted(addresses)}
 
     # ---- push --------------------------------------------------------------------------
 
@@ -588,16 +693,16 @@ class PSClient:
         """Push `pieces` to one server under `sequence`. `first_send`: this sequence has
         never gone out before (not even in an attempt whose answer was lost), so a
         'duplicate' answer means another client shares this identity: an error."""
-        stub = self._stub(shard_map.servers[server_id])
+        address = shard_map.servers[server_id]
+        stub = self._stub(address)
         sizes = [p.grad.nbytes for p in pieces]
+        nbytes = sum(sizes)
         readers = [array_reader(p.grad, p.wire_dtype) for p in pieces]
         incarnation = self.incarnation
         attempts = 0
 
-        def attempt():
-            nonlocal attempts
-            attempts += 1
-            header = ps_pb.PushHeader(
+        def header() -> ps_pb.PushHeader:
+            return ps_pb.PushHeader(
                 client_id=self.client_id, incarnation=incarnation, sequence=sequence,
                 acked_through=self._acked(server_id), epoch=shard_map.epoch,
                 shards=[ps_pb.ShardRef(variable=p.shard.variable, index=p.shard.index)
@@ -605,21 +710,27 @@ class PSClient:
                 tensors=[TensorMeta(p.wire_dtype, p.grad.shape).to_proto() for p in pieces],
             )
 
-            def chunks():
-                first_header = header.SerializeToString()
-                for i, piece in enumerate(iter_chunks(sizes, readers, self._chunk_bytes)):
-                    yield encode_chunk(first_header if i == 0 else None, piece)
+        def attempt():
+            nonlocal attempts
+            attempts += 1
+            first_header = header().SerializeToString()
+            if nbytes <= self._chunk_bytes:  # one message: no stream to set up
+                message = encode_chunk(first_header, b"".join(r(0, n) for r, n in
+                                                              zip(readers, sizes)))
+                return self._unary(stub.PushUnary, message, self._deadline(nbytes), server_id)
+            call = stub.Push.future(
+                (encode_chunk(first_header if i == 0 else None, piece) for i, piece in
+                 enumerate(iter_chunks(sizes, readers, self._chunk_bytes))),
+                timeout=self._deadline(nbytes))
+            with self._on_the_wire(call):
+                return _result(call, server_id)
 
-            with self._on_the_wire(stub.Push.future(chunks(),
-                                                    timeout=self._deadline(sum(sizes)))) as call:
-                try:
-                    return call.result()
-                except grpc.FutureCancelledError:  # interrupt(): a future says it this way
-                    raise _local_error(grpc.StatusCode.CANCELLED,
-                                       f"push to {server_id} interrupted") from None
-
-        # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
-        reply = self._call_server(attempt, shard_map, server_id, self._retry)
+        sent_shared = [0]  # attempts over shared memory
+        reply = self._push_shared(shard_map, server_id, pieces, header, sent_shared)
+        attempts = sent_shared[0]
+        if reply is None:
+            # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
+            reply = self._call_server(attempt, shard_map, server_id, self._retry)
         if reply.duplicate and first_send and attempts == 1:
             # Nothing of ours can have been applied before our first send: someone else
             # pushes under this identity, and this push was NOT applied.
@@ -629,6 +740,39 @@ class PSClient:
                 f"incarnation {incarnation} was applied already, before this client sent it: "
                 "another client uses the same client_id and incarnation; this push was not "
                 "applied (let the coordinator hand out incarnations)")
+
+    def _push_shared(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
+                     header, attempts: list[int]) -> ps_pb.PushReply | None:
+        """The push through a shared-memory slot, if this server shares memory with us;
+        None: send it over gRPC (under the same identity: a server that applied it already
+        answers 'duplicate'). Counts the calls it makes in `attempts[0]`."""
+        session = self._shared_session(shard_map, server_id)
+        if session is None:
+            return None
+        address = shard_map.servers[server_id]
+        try:
+            slot = session.push_slot(sum(p.grad.nbytes for p in pieces), self._timeout_s)
+        except SessionLost:
+            self._forget_shared(address, session)
+            return None
+        if slot is None:
+            return None
+        stub = self._stub(address)
+        try:
+            slot.write([p.grad for p in pieces])
+
+            def attempt():
+                attempts[0] += 1
+                return self._unary(stub.PushShared, session.push_request(slot, header()),
+                                   self._timeout_s, server_id)
+
+            reply = self._call_server(attempt, shard_map, server_id, self._retry)
+        finally:
+            session.release(slot)
+        if reply.session_lost:
+            self._forget_shared(address, session)
+            return None
+        return reply.reply
 
     def _issue_sequence(self, server_id: str) -> int:
         """The next sequence for `server_id`, waiting (bounded) while it would be more than
@@ -665,6 +809,8 @@ class PSClient:
     def _stub(self, address: str) -> "_DataPath":
         """One channel and one data-path stub per server address, made once."""
         with self._lock:
+            if self._interrupted.is_set():  # its channels are closed: no new ones
+                raise _local_error(grpc.StatusCode.CANCELLED, "the client was interrupted")
             stub = self._stubs.get(address)
             if stub is None:
                 channel = self._channels[address] = make_channel(address)
@@ -750,3 +896,13 @@ class PSClient:
         futures.wait(pending)
         for future in pending:
             future.result()
+
+
+def _result(call, server_id: str):
+    """The answer of a unary call started with `.future()` (so that interrupt() can
+    cancel it): a cancelled future says so with its own exception, made CANCELLED here."""
+    try:
+        return call.result()
+    except grpc.FutureCancelledError:
+        raise _local_error(grpc.StatusCode.CANCELLED,
+                           f"call to {server_id} interrupted") from None

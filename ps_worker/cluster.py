@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ps_common.cli import add_server_loss_arguments
+from ps_common.cli import add_server_loss_arguments, add_shared_memory_argument
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.status import RemoteError
 from ps_worker.chaos import ChaosError, ChaosMonkey
@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_loss_arguments(p)
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the coordinator and servers up after the job (until Ctrl-C)")
+    add_shared_memory_argument(p, "let workers and servers use shared memory (they share this "
+                               "host); everything goes over gRPC")
     p.add_argument("--log-dir", help="where children's logs go (default: a new temp dir)")
     g = p.add_argument_group("checkpoints and chaos")
     g.add_argument("--checkpoint-dir", metavar="DIR",
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     chaos: ChaosMonkey | None = None
     try:
         hb = ["--heartbeat-interval", str(args.heartbeat_interval)]
+        no_shm = ["--no-shm"] if args.no_shm else []
         coordinator = Child("coordinator", _python(
             "ps_server.coordinator.cli", "--port", "0", "--job", str(job_file), *hb,
             "--heartbeat-timeout", str(args.heartbeat_timeout),
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             *(["--reinitialize-lost-shards"] if args.reinitialize_lost_shards else []),
             *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []),
             *(["--checkpoint-every", checkpoint_every] if checkpoint_every else []),
-            *(["--keep-serving"] if args.keep_serving else [])), log_dir)
+            *(["--keep-serving"] if args.keep_serving else []), *no_shm), log_dir)
         children.append(coordinator)
         address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         progress.note(f"coordinator on {address}; logs in {log_dir}")
@@ -336,14 +339,15 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.servers):  # each child is owned (stopped at exit) once it exists
             servers.append(Child(f"server-{i}", _python(
                 "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}", "--coordinator",
-                address, *hb), log_dir))
+                address, *hb, *no_shm), log_dir))
             children.append(servers[-1])
         for server in servers:
             server.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         for i in range(args.workers):
             workers.append(Child(f"worker-{i}", _python(
                 "ps_worker.cli", "--coordinator", address, "--worker-id", f"worker-{i}",
-                "--device", args.device), log_dir, env=worker_environment(args.workers)))
+                "--device", args.device, *no_shm), log_dir,
+                env=worker_environment(args.workers)))
             children.append(workers[-1])
         progress.note(f"{args.servers} server(s), {args.workers} worker(s): training "
                       f"{job.model} on {job.data} for {job.epochs} epoch(s)")

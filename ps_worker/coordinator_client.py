@@ -108,10 +108,10 @@ class CoordinatorClient:
         job = JobSpec.from_json(reply.job_json) if reply.job_json else None
         return Registration(reply.incarnation, job, reply.heartbeat_interval_ms / 1000.0)
 
-    def heartbeat(self, worker_id: str, incarnation: int) -> str:
+    def heartbeat(self, worker_id: str, incarnation: int, data_path: str = "") -> str:
         """'continue' | 'reregister' | 'stop'."""
         reply = self._call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
-            worker_id=worker_id, incarnation=incarnation))
+            worker_id=worker_id, incarnation=incarnation, data_path=data_path))
         return _ACTIONS.get(reply.action, "continue")
 
     def lease(self, worker_id: str, incarnation: int):
@@ -174,7 +174,7 @@ class CoordinatorClient:
                  "heartbeat_age_s": round(w.heartbeat_age_s, 3), "reason": w.reason,
                  "died_at_s": round(w.died_at_s, 3) if w.state == "dead" else None,
                  "tasks_done": w.tasks_done, "steps": w.steps,
-                 "leased_tasks": list(w.leased_tasks)}
+                 "leased_tasks": list(w.leased_tasks), "data_path": w.data_path}
                 for w in s.workers
             ],
             "servers": [

@@ -46,7 +46,7 @@ def render(status: dict) -> str:
         extra = f"  {w['reason']}" if w["reason"] else ""
         lines.append(f"  {w['id']:<24} {w['state']:<6} incarnation {w['incarnation']:<3} "
                      f"heartbeat {w['heartbeat_age_s']:.1f} s ago  tasks {w['tasks_done']}  "
-                     f"steps {w['steps']}{extra}")
+                     f"steps {w['steps']}  data path {w.get('data_path') or '-'}{extra}")
     lines.append(f"servers ({len(status['servers'])}):")
     for s in status["servers"]:
         lines.append(f"  {s['id']:<12} {s['address']:<22} {s['state']:<6} "

@@ -64,6 +64,9 @@ class WorkerConfig:
     # the worker gives up with an error naming its address.
     coordinator_timeout_s: float = 30.0
     max_in_flight_pushes: int = 2
+    # Pull and push through shared memory with servers on this host that offer it (and the
+    # job allows it); False: gRPC only (--no-shm).
+    shared_memory: bool = True
 
 
 @dataclass
@@ -277,7 +280,9 @@ class Worker:
         """Lease and run tasks until the job is over; raises Fenced to re-register."""
         with PSClient(self.config.coordinator, client_id=self.worker_id,
                       incarnation=self._incarnation, retry=SERVER_OUTAGE_RETRY,
-                      max_in_flight_pushes=self.config.max_in_flight_pushes) as ps:
+                      max_in_flight_pushes=self.config.max_in_flight_pushes,
+                      shared_memory=self.config.shared_memory
+                      and trainer.job.shared_memory) as ps:
             self._watch_client(ps)
             ps.declare_many(trainer.specs)
             while True:
@@ -319,13 +324,22 @@ class Worker:
                          task.kind, task.epoch, result.steps,
                          result.loss_sum / max(1, result.examples))
 
+    def _data_path(self) -> str:
+        """How this worker's pulls and pushes travel (for ps-ctl status): "shm", "grpc",
+        "shm+grpc", or "" before it used a server."""
+        with self._client_lock:
+            ps = self._client
+        paths = set(ps.data_paths.values()) if ps is not None else set()
+        return "+".join(sorted(paths, reverse=True))
+
     def _interrupted(self) -> bool:
         return self._stop.is_set() or self._fenced.is_set() or self._job_over.is_set()
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             try:
-                action = self._coordinator.heartbeat(self.worker_id, self._incarnation)
+                action = self._coordinator.heartbeat(self.worker_id, self._incarnation,
+                                                     self._data_path())
             except CoordinatorUnreachable as error:
                 log.error("%s", error)
                 self.lost_coordinator = error

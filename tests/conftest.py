@@ -33,14 +33,22 @@ def no_thread_leak():
 
 
 @pytest.fixture
-def make_cluster(no_thread_leak):
+def make_cluster(no_thread_leak, request):
     """Factory: `make_cluster(servers=3, split_threshold_bytes=1000, ...)` returns a started
-    InProcessCluster (on OS-chosen ports); every cluster made is stopped after the test."""
+    InProcessCluster (on OS-chosen ports); every cluster made is stopped after the test.
+
+    Its servers offer shared memory unless the test module sets `SHARED_MEMORY = False`
+    (tests of what happens on the wire), or the test uses the `data_path` fixture
+    (parametrized over "grpc" and "shm" where a module defines it)."""
     from ps_server.testing import InProcessCluster  # after pytest loaded it as a plugin
 
+    shared = getattr(request.module, "SHARED_MEMORY", True)
+    if "data_path" in request.fixturenames:
+        shared = request.getfixturevalue("data_path") == "shm"
     started: list[InProcessCluster] = []
 
     def make(**kwargs):
+        kwargs.setdefault("shared_memory", shared)
         cluster = InProcessCluster(**kwargs).start()
         started.append(cluster)
         return cluster

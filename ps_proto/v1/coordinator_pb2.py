@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from ps_proto.v1 import tensor_pb2 as ps__proto_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dps_proto/v1/coordinator.proto\x12\x05ps.v1\x1a\x18ps_proto/v1/tensor.proto\"\xbe\x01\n\x15RegisterServerRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x1e\n\x04held\x18\x05 \x03(\x0b\x32\x10.ps.v1.HeldShard\x12!\n\x08last_map\x18\x06 \x01(\x0b\x32\x0f.ps.v1.ShardMap\x12\x12\n\ngeneration\x18\x07 \x01(\x03\"\\\n\tHeldShard\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.ps.v1.VariableSpec\x12\x1b\n\x05shard\x18\x02 \x01(\x0b\x32\x0c.ps.v1.Shard\x12\x0f\n\x07updates\x18\x03 \x01(\x03\"_\n\x13RegisterServerReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x15\n\rcontrol_token\x18\x03 \x01(\x0c\"g\n\x16ServerHeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x17\n\x0fretired_through\x18\x04 \x01(\x03\"7\n\rRetiredClient\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"\x86\x01\n\x14ServerHeartbeatReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08shutdown\x18\x03 \x01(\x08\x12%\n\x07retired\x18\x04 \x03(\x0b\x32\x14.ps.v1.RetiredClient\x12\x17\n\x0fretired_through\x18\x05 \x01(\x03\"*\n\x15RegisterClientRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"*\n\x13RegisterClientReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\x03\">\n\x14ReleaseClientRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"\x14\n\x12ReleaseClientReply\"8\n\x0e\x44\x65\x63lareRequest\x12&\n\tvariables\x18\x01 \x03(\x0b\x32\x13.ps.v1.VariableSpec\"\x14\n\x12GetShardMapRequest\"*\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"[\n\x13RegisterWorkerReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\x03\x12\x10\n\x08job_json\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\x03\"@\n\x16WorkerHeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\";\n\x14WorkerHeartbeatReply\x12#\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x13.ps.v1.WorkerAction\"m\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x1d\n\x04kind\x18\x02 \x01(\x0e\x32\x0f.ps.v1.TaskKind\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x17\n\x0ftasks_per_epoch\x18\x05 \x01(\x05\":\n\x10LeaseTaskRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"z\n\x0eLeaseTaskReply\x12\x1b\n\x04task\x18\x01 \x01(\x0b\x32\x0b.ps.v1.TaskH\x00\x12\x18\n\x0eretry_after_ms\x18\x02 \x01(\x03H\x00\x12\x12\n\x08job_done\x18\x03 \x01(\x08H\x00\x12\x12\n\nreregister\x18\x04 \x01(\x08\x42\t\n\x07outcome\"b\n\x0bTaskMetrics\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x10\n\x08\x65xamples\x18\x02 \x01(\x03\x12\x0f\n\x07\x63orrect\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"s\n\x13\x43ompleteTaskRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\x03\x12#\n\x07metrics\x18\x04 \x01(\x0b\x32\x12.ps.v1.TaskMetrics\"&\n\x11\x43ompleteTaskReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\x9b\x01\n\x0c\x45pochMetrics\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x11\n\ttest_loss\x18\x04 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x05 \x01(\x01\x12\x11\n\tevaluated\x18\x06 \x01(\x08\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x10\n\x08\x65xamples\x18\x08 \x01(\x03\"\xcd\x01\n\tJobStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x05\x12\x0e\n\x06\x65pochs\x18\x03 \x01(\x05\x12\x12\n\ntasks_done\x18\x04 \x01(\x03\x12\x13\n\x0btasks_total\x18\x05 \x01(\x03\x12\r\n\x05steps\x18\x06 \x01(\x03\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\x12$\n\x07metrics\x18\x08 \x03(\x0b\x32\x13.ps.v1.EpochMetrics\x12\x10\n\x08job_json\x18\t \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\n \x01(\t\"\xba\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tdied_at_s\x18\x06 \x01(\x01\x12\x12\n\ntasks_done\x18\x07 \x01(\x03\x12\r\n\x05steps\x18\x08 \x01(\x03\x12\x14\n\x0cleased_tasks\x18\t \x03(\x03\"\xcf\x01\n\x0cServerStatus\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0e\n\x06shards\x18\x06 \x01(\x05\x12\x14\n\x0csynced_epoch\x18\x07 \x01(\x03\x12\x14\n\x0cstate_losses\x18\x08 \x01(\x05\x12\x13\n\x0blost_shards\x18\t \x03(\t\x12\x13\n\x0bloss_action\x18\n \x01(\t\"\xa2\x02\n\rClusterStatus\x12\x1d\n\x03job\x18\x01 \x01(\x0b\x32\x10.ps.v1.JobStatus\x12$\n\x07workers\x18\x02 \x03(\x0b\x32\x13.ps.v1.WorkerStatus\x12$\n\x07servers\x18\x03 \x03(\x0b\x32\x13.ps.v1.ServerStatus\x12\x17\n\x0fshard_map_epoch\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\x12\x18\n\x10\x61waiting_servers\x18\x06 \x03(\t\x12.\n\x0flast_checkpoint\x18\x07 \x01(\x0b\x32\x15.ps.v1.CheckpointInfo\x12\x16\n\x0e\x63heckpoint_dir\x18\x08 \x01(\t\x12\x17\n\x0fshards_restored\x18\t \x01(\x03\"\x13\n\x11\x43heckpointRequest\"_\n\x0e\x43heckpointInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"P\n\x15ReportJobErrorRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\")\n\x13ReportJobErrorReply\x12\x12\n\njob_failed\x18\x01 \x01(\x08*U\n\x0cWorkerAction\x12\x1d\n\x19WORKER_ACTION_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43ONTINUE\x10\x01\x12\x0e\n\nREREGISTER\x10\x02\x12\x08\n\x04STOP\x10\x03*>\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x0c\n\x08\x45VALUATE\x10\x02\x32\x90\x07\n\x0b\x43oordinator\x12J\n\x0eRegisterServer\x12\x1c.ps.v1.RegisterServerRequest\x1a\x1a.ps.v1.RegisterServerReply\x12M\n\x0fServerHeartbeat\x12\x1d.ps.v1.ServerHeartbeatRequest\x1a\x1b.ps.v1.ServerHeartbeatReply\x12\x31\n\x07\x44\x65\x63lare\x12\x15.ps.v1.DeclareRequest\x1a\x0f.ps.v1.ShardMap\x12\x39\n\x0bGetShardMap\x12\x19.ps.v1.GetShardMapRequest\x1a\x0f.ps.v1.ShardMap\x12J\n\x0eRegisterClient\x12\x1c.ps.v1.RegisterClientRequest\x1a\x1a.ps.v1.RegisterClientReply\x12G\n\rReleaseClient\x12\x1b.ps.v1.ReleaseClientRequest\x1a\x19.ps.v1.ReleaseClientReply\x12J\n\x0eRegisterWorker\x12\x1c.ps.v1.RegisterWorkerRequest\x1a\x1a.ps.v1.RegisterWorkerReply\x12M\n\x0fWorkerHeartbeat\x12\x1d.ps.v1.WorkerHeartbeatRequest\x1a\x1b.ps.v1.WorkerHeartbeatReply\x12;\n\tLeaseTask\x12\x17.ps.v1.LeaseTaskRequest\x1a\x15.ps.v1.LeaseTaskReply\x12\x44\n\x0c\x43ompleteTask\x12\x1a.ps.v1.CompleteTaskRequest\x1a\x18.ps.v1.CompleteTaskReply\x12J\n\x0eReportJobError\x12\x1c.ps.v1.ReportJobErrorRequest\x1a\x1a.ps.v1.ReportJobErrorReply\x12:\n\tGetStatus\x12\x17.ps.v1.GetStatusRequest\x1a\x14.ps.v1.ClusterStatus\x12=\n\nCheckpoint\x12\x18.ps.v1.CheckpointRequest\x1a\x15.ps.v1.CheckpointInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dps_proto/v1/coordinator.proto\x12\x05ps.v1\x1a\x18ps_proto/v1/tensor.proto\"\xbe\x01\n\x15RegisterServerRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x1e\n\x04held\x18\x05 \x03(\x0b\x32\x10.ps.v1.HeldShard\x12!\n\x08last_map\x18\x06 \x01(\x0b\x32\x0f.ps.v1.ShardMap\x12\x12\n\ngeneration\x18\x07 \x01(\x03\"\\\n\tHeldShard\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.ps.v1.VariableSpec\x12\x1b\n\x05shard\x18\x02 \x01(\x0b\x32\x0c.ps.v1.Shard\x12\x0f\n\x07updates\x18\x03 \x01(\x03\"_\n\x13RegisterServerReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x15\n\rcontrol_token\x18\x03 \x01(\x0c\"g\n\x16ServerHeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x17\n\x0fretired_through\x18\x04 \x01(\x03\"7\n\rRetiredClient\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"\x86\x01\n\x14ServerHeartbeatReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08shutdown\x18\x03 \x01(\x08\x12%\n\x07retired\x18\x04 \x03(\x0b\x32\x14.ps.v1.RetiredClient\x12\x17\n\x0fretired_through\x18\x05 \x01(\x03\"*\n\x15RegisterClientRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"*\n\x13RegisterClientReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\x03\">\n\x14ReleaseClientRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"\x14\n\x12ReleaseClientReply\"8\n\x0e\x44\x65\x63lareRequest\x12&\n\tvariables\x18\x01 \x03(\x0b\x32\x13.ps.v1.VariableSpec\"\x14\n\x12GetShardMapRequest\"*\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"[\n\x13RegisterWorkerReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\x03\x12\x10\n\x08job_json\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\x03\"S\n\x16WorkerHeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x11\n\tdata_path\x18\x03 \x01(\t\";\n\x14WorkerHeartbeatReply\x12#\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x13.ps.v1.WorkerAction\"m\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x1d\n\x04kind\x18\x02 \x01(\x0e\x32\x0f.ps.v1.TaskKind\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x17\n\x0ftasks_per_epoch\x18\x05 \x01(\x05\":\n\x10LeaseTaskRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"z\n\x0eLeaseTaskReply\x12\x1b\n\x04task\x18\x01 \x01(\x0b\x32\x0b.ps.v1.TaskH\x00\x12\x18\n\x0eretry_after_ms\x18\x02 \x01(\x03H\x00\x12\x12\n\x08job_done\x18\x03 \x01(\x08H\x00\x12\x12\n\nreregister\x18\x04 \x01(\x08\x42\t\n\x07outcome\"b\n\x0bTaskMetrics\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x10\n\x08\x65xamples\x18\x02 \x01(\x03\x12\x0f\n\x07\x63orrect\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"s\n\x13\x43ompleteTaskRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\x03\x12#\n\x07metrics\x18\x04 \x01(\x0b\x32\x12.ps.v1.TaskMetrics\"&\n\x11\x43ompleteTaskReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\x9b\x01\n\x0c\x45pochMetrics\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x11\n\ttest_loss\x18\x04 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x05 \x01(\x01\x12\x11\n\tevaluated\x18\x06 \x01(\x08\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x10\n\x08\x65xamples\x18\x08 \x01(\x03\"\xcd\x01\n\tJobStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x05\x12\x0e\n\x06\x65pochs\x18\x03 \x01(\x05\x12\x12\n\ntasks_done\x18\x04 \x01(\x03\x12\x13\n\x0btasks_total\x18\x05 \x01(\x03\x12\r\n\x05steps\x18\x06 \x01(\x03\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\x12$\n\x07metrics\x18\x08 \x03(\x0b\x32\x13.ps.v1.EpochMetrics\x12\x10\n\x08job_json\x18\t \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\n \x01(\t\"\xcd\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tdied_at_s\x18\x06 \x01(\x01\x12\x12\n\ntasks_done\x18\x07 \x01(\x03\x12\r\n\x05steps\x18\x08 \x01(\x03\x12\x14\n\x0cleased_tasks\x18\t \x03(\x03\x12\x11\n\tdata_path\x18\n \x01(\t\"\xcf\x01\n\x0cServerStatus\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0e\n\x06shards\x18\x06 \x01(\x05\x12\x14\n\x0csynced_epoch\x18\x07 \x01(\x03\x12\x14\n\x0cstate_losses\x18\x08 \x01(\x05\x12\x13\n\x0blost_shards\x18\t \x03(\t\x12\x13\n\x0bloss_action\x18\n \x01(\t\"\xa2\x02\n\rClusterStatus\x12\x1d\n\x03job\x18\x01 \x01(\x0b\x32\x10.ps.v1.JobStatus\x12$\n\x07workers\x18\x02 \x03(\x0b\x32\x13.ps.v1.WorkerStatus\x12$\n\x07servers\x18\x03 \x03(\x0b\x32\x13.ps.v1.ServerStatus\x12\x17\n\x0fshard_map_epoch\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\x12\x18\n\x10\x61waiting_servers\x18\x06 \x03(\t\x12.\n\x0flast_checkpoint\x18\x07 \x01(\x0b\x32\x15.ps.v1.CheckpointInfo\x12\x16\n\x0e\x63heckpoint_dir\x18\x08 \x01(\t\x12\x17\n\x0fshards_restored\x18\t \x01(\x03\"\x13\n\x11\x43heckpointRequest\"_\n\x0e\x43heckpointInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"P\n\x15ReportJobErrorRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\")\n\x13ReportJobErrorReply\x12\x12\n\njob_failed\x18\x01 \x01(\x08*U\n\x0cWorkerAction\x12\x1d\n\x19WORKER_ACTION_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43ONTINUE\x10\x01\x12\x0e\n\nREREGISTER\x10\x02\x12\x08\n\x04STOP\x10\x03*>\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x0c\n\x08\x45VALUATE\x10\x02\x32\x90\x07\n\x0b\x43oordinator\x12J\n\x0eRegisterServer\x12\x1c.ps.v1.RegisterServerRequest\x1a\x1a.ps.v1.RegisterServerReply\x12M\n\x0fServerHeartbeat\x12\x1d.ps.v1.ServerHeartbeatRequest\x1a\x1b.ps.v1.ServerHeartbeatReply\x12\x31\n\x07\x44\x65\x63lare\x12\x15.ps.v1.DeclareRequest\x1a\x0f.ps.v1.ShardMap\x12\x39\n\x0bGetShardMap\x12\x19.ps.v1.GetShardMapRequest\x1a\x0f.ps.v1.ShardMap\x12J\n\x0eRegisterClient\x12\x1c.ps.v1.RegisterClientRequest\x1a\x1a.ps.v1.RegisterClientReply\x12G\n\rReleaseClient\x12\x1b.ps.v1.ReleaseClientRequest\x1a\x19.ps.v1.ReleaseClientReply\x12J\n\x0eRegisterWorker\x12\x1c.ps.v1.RegisterWorkerRequest\x1a\x1a.ps.v1.RegisterWorkerReply\x12M\n\x0fWorkerHeartbeat\x12\x1d.ps.v1.WorkerHeartbeatRequest\x1a\x1b.ps.v1.WorkerHeartbeatReply\x12;\n\tLeaseTask\x12\x17.ps.v1.LeaseTaskRequest\x1a\x15.ps.v1.LeaseTaskReply\x12\x44\n\x0c\x43ompleteTask\x12\x1a.ps.v1.CompleteTaskRequest\x1a\x18.ps.v1.CompleteTaskReply\x12J\n\x0eReportJobError\x12\x1c.ps.v1.ReportJobErrorRequest\x1a\x1a.ps.v1.ReportJobErrorReply\x12:\n\tGetStatus\x12\x17.ps.v1.GetStatusRequest\x1a\x14.ps.v1.ClusterStatus\x12=\n\nCheckpoint\x12\x18.ps.v1.CheckpointRequest\x1a\x15.ps.v1.CheckpointInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ps_proto.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERACTION']._serialized_start=3140
-  _globals['_WORKERACTION']._serialized_end=3225
-  _globals['_TASKKIND']._serialized_start=3227
-  _globals['_TASKKIND']._serialized_end=3289
+  _globals['_WORKERACTION']._serialized_start=3178
+  _globals['_WORKERACTION']._serialized_end=3263
+  _globals['_TASKKIND']._serialized_start=3265
+  _globals['_TASKKIND']._serialized_end=3327
   _globals['_REGISTERSERVERREQUEST']._serialized_start=67
   _globals['_REGISTERSERVERREQUEST']._serialized_end=257
   _globals['_HELDSHARD']._serialized_start=259
@@ -65,41 +65,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERWORKERREPLY']._serialized_start=1047
   _globals['_REGISTERWORKERREPLY']._serialized_end=1138
   _globals['_WORKERHEARTBEATREQUEST']._serialized_start=1140
-  _globals['_WORKERHEARTBEATREQUEST']._serialized_end=1204
-  _globals['_WORKERHEARTBEATREPLY']._serialized_start=1206
-  _globals['_WORKERHEARTBEATREPLY']._serialized_end=1265
-  _globals['_TASK']._serialized_start=1267
-  _globals['_TASK']._serialized_end=1376
-  _globals['_LEASETASKREQUEST']._serialized_start=1378
-  _globals['_LEASETASKREQUEST']._serialized_end=1436
-  _globals['_LEASETASKREPLY']._serialized_start=1438
-  _globals['_LEASETASKREPLY']._serialized_end=1560
-  _globals['_TASKMETRICS']._serialized_start=1562
-  _globals['_TASKMETRICS']._serialized_end=1660
-  _globals['_COMPLETETASKREQUEST']._serialized_start=1662
-  _globals['_COMPLETETASKREQUEST']._serialized_end=1777
-  _globals['_COMPLETETASKREPLY']._serialized_start=1779
-  _globals['_COMPLETETASKREPLY']._serialized_end=1817
-  _globals['_GETSTATUSREQUEST']._serialized_start=1819
-  _globals['_GETSTATUSREQUEST']._serialized_end=1837
-  _globals['_EPOCHMETRICS']._serialized_start=1840
-  _globals['_EPOCHMETRICS']._serialized_end=1995
-  _globals['_JOBSTATUS']._serialized_start=1998
-  _globals['_JOBSTATUS']._serialized_end=2203
-  _globals['_WORKERSTATUS']._serialized_start=2206
-  _globals['_WORKERSTATUS']._serialized_end=2392
-  _globals['_SERVERSTATUS']._serialized_start=2395
-  _globals['_SERVERSTATUS']._serialized_end=2602
-  _globals['_CLUSTERSTATUS']._serialized_start=2605
-  _globals['_CLUSTERSTATUS']._serialized_end=2895
-  _globals['_CHECKPOINTREQUEST']._serialized_start=2897
-  _globals['_CHECKPOINTREQUEST']._serialized_end=2916
-  _globals['_CHECKPOINTINFO']._serialized_start=2918
-  _globals['_CHECKPOINTINFO']._serialized_end=3013
-  _globals['_REPORTJOBERRORREQUEST']._serialized_start=3015
-  _globals['_REPORTJOBERRORREQUEST']._serialized_end=3095
-  _globals['_REPORTJOBERRORREPLY']._serialized_start=3097
-  _globals['_REPORTJOBERRORREPLY']._serialized_end=3138
-  _globals['_COORDINATOR']._serialized_start=3292
-  _globals['_COORDINATOR']._serialized_end=4204
+  _globals['_WORKERHEARTBEATREQUEST']._serialized_end=1223
+  _globals['_WORKERHEARTBEATREPLY']._serialized_start=1225
+  _globals['_WORKERHEARTBEATREPLY']._serialized_end=1284
+  _globals['_TASK']._serialized_start=1286
+  _globals['_TASK']._serialized_end=1395
+  _globals['_LEASETASKREQUEST']._serialized_start=1397
+  _globals['_LEASETASKREQUEST']._serialized_end=1455
+  _globals['_LEASETASKREPLY']._serialized_start=1457
+  _globals['_LEASETASKREPLY']._serialized_end=1579
+  _globals['_TASKMETRICS']._serialized_start=1581
+  _globals['_TASKMETRICS']._serialized_end=1679
+  _globals['_COMPLETETASKREQUEST']._serialized_start=1681
+  _globals['_COMPLETETASKREQUEST']._serialized_end=1796
+  _globals['_COMPLETETASKREPLY']._serialized_start=1798
+  _globals['_COMPLETETASKREPLY']._serialized_end=1836
+  _globals['_GETSTATUSREQUEST']._serialized_start=1838
+  _globals['_GETSTATUSREQUEST']._serialized_end=1856
+  _globals['_EPOCHMETRICS']._serialized_start=1859
+  _globals['_EPOCHMETRICS']._serialized_end=2014
+  _globals['_JOBSTATUS']._serialized_start=2017
+  _globals['_JOBSTATUS']._serialized_end=2222
+  _globals['_WORKERSTATUS']._serialized_start=2225
+  _globals['_WORKERSTATUS']._serialized_end=2430
+  _globals['_SERVERSTATUS']._serialized_start=2433
+  _globals['_SERVERSTATUS']._serialized_end=2640
+  _globals['_CLUSTERSTATUS']._serialized_start=2643
+  _globals['_CLUSTERSTATUS']._serialized_end=2933
+  _globals['_CHECKPOINTREQUEST']._serialized_start=2935
+  _globals['_CHECKPOINTREQUEST']._serialized_end=2954
+  _globals['_CHECKPOINTINFO']._serialized_start=2956
+  _globals['_CHECKPOINTINFO']._serialized_end=3051
+  _globals['_REPORTJOBERRORREQUEST']._serialized_start=3053
+  _globals['_REPORTJOBERRORREQUEST']._serialized_end=3133
+  _globals['_REPORTJOBERRORREPLY']._serialized_start=3135
+  _globals['_REPORTJOBERRORREPLY']._serialized_end=3176
+  _globals['_COORDINATOR']._serialized_start=3330
+  _globals['_COORDINATOR']._serialized_end=4242
 # @@protoc_insertion_point(module_scope)

@@ -425,17 +425,23 @@ class WorkerHeartbeatRequest(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    DATA_PATH_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
+    data_path: _builtins.str
+    """How this worker's pulls and pushes travel: "shm" (shared memory with every server it
+    used), "grpc", "shm+grpc" (some of each), or "" before its first pull.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
+        data_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "incarnation", b"incarnation", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -744,6 +750,7 @@ class WorkerStatus(_message.Message):
     TASKS_DONE_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
     LEASED_TASKS_FIELD_NUMBER: _builtins.int
+    DATA_PATH_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
     state: _builtins.str
@@ -753,6 +760,8 @@ class WorkerStatus(_message.Message):
     died_at_s: _builtins.float
     tasks_done: _builtins.int
     steps: _builtins.int
+    data_path: _builtins.str
+    """As the worker last reported it (WorkerHeartbeatRequest.data_path)."""
     @_builtins.property
     def leased_tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -767,10 +776,11 @@ class WorkerStatus(_message.Message):
         tasks_done: _builtins.int = ...,
         steps: _builtins.int = ...,
         leased_tasks: _abc.Iterable[_builtins.int] | None = ...,
+        data_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["died_at_s", b"died_at_s", "heartbeat_age_s", b"heartbeat_age_s", "incarnation", b"incarnation", "leased_tasks", b"leased_tasks", "reason", b"reason", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "died_at_s", b"died_at_s", "heartbeat_age_s", b"heartbeat_age_s", "incarnation", b"incarnation", "leased_tasks", b"leased_tasks", "reason", b"reason", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -449,3 +449,243 @@ class AssignShardsReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AssignShardsReply: _TypeAlias = AssignShardsReply  # noqa: Y015
+
+@_typing.final
+class OpenSharedMemoryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSharedMemoryRequest: _TypeAlias = OpenSharedMemoryRequest  # noqa: Y015
+
+@_typing.final
+class OpenSharedMemoryReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFERED_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
+    CONTROL_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    offered: _builtins.bool
+    """False when this server offers no shared memory (--no-shm, no /dev/shm, not x86-64):
+    the client uses gRPC.
+    """
+    probe: _builtins.str
+    """A segment holding this session's secret: only a client on this host, running as this
+    server's user, can open it. It presents the secret on every later call, which proves
+    that it shares the server's host and memory (never a guess from addresses).
+    """
+    control: _builtins.str
+    """The server's control segment: its shard-map epoch and whether it is still serving."""
+    session: _builtins.int
+    def __init__(
+        self,
+        *,
+        offered: _builtins.bool = ...,
+        probe: _builtins.str = ...,
+        control: _builtins.str = ...,
+        session: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control", b"control", "offered", b"offered", "probe", b"probe", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSharedMemoryReply: _TypeAlias = OpenSharedMemoryReply  # noqa: Y015
+
+@_typing.final
+class AttachShardsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    session: _builtins.int
+    secret: _builtins.bytes
+    epoch: _builtins.int
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]: ...
+    def __init__(
+        self,
+        *,
+        session: _builtins.int = ...,
+        secret: _builtins.bytes = ...,
+        epoch: _builtins.int = ...,
+        shards: _abc.Iterable[Global___ShardRef] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "secret", b"secret", "session", b"session", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachShardsRequest: _TypeAlias = AttachShardsRequest  # noqa: Y015
+
+@_typing.final
+class SharedShard(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    META_FIELD_NUMBER: _builtins.int
+    segment: _builtins.str
+    """Empty when this shard is not in shared memory (the client pulls it over gRPC)."""
+    @_builtins.property
+    def shard(self) -> Global___ShardRef: ...
+    @_builtins.property
+    def meta(self) -> _tensor_pb2.TensorMeta: ...
+    def __init__(
+        self,
+        *,
+        shard: Global___ShardRef | None = ...,
+        segment: _builtins.str = ...,
+        meta: _tensor_pb2.TensorMeta | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "shard", b"shard"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "segment", b"segment", "shard", b"shard"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedShard: _TypeAlias = SharedShard  # noqa: Y015
+
+@_typing.final
+class AttachShardsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_LOST_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    session_lost: _builtins.bool
+    """The session is unknown (the server restarted, or ended it): open a new one."""
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___SharedShard]: ...
+    def __init__(
+        self,
+        *,
+        session_lost: _builtins.bool = ...,
+        shards: _abc.Iterable[Global___SharedShard] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_lost", b"session_lost", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachShardsReply: _TypeAlias = AttachShardsReply  # noqa: Y015
+
+@_typing.final
+class PushSharedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
+    SLOT_BYTES_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    session: _builtins.int
+    secret: _builtins.bytes
+    slot: _builtins.int
+    """The push slot to read from (from an earlier reply), or 0 with `slot_bytes` to ask for
+    a slot of at least that many bytes (nothing is applied then).
+    """
+    slot_bytes: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushHeader:
+        """The push exactly as over gRPC; its tensors lie back to back at the start of the slot."""
+
+    def __init__(
+        self,
+        *,
+        session: _builtins.int = ...,
+        secret: _builtins.bytes = ...,
+        slot: _builtins.int = ...,
+        slot_bytes: _builtins.int = ...,
+        header: Global___PushHeader | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "secret", b"secret", "session", b"session", "slot", b"slot", "slot_bytes", b"slot_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushSharedRequest: _TypeAlias = PushSharedRequest  # noqa: Y015
+
+@_typing.final
+class PushSharedReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_LOST_FIELD_NUMBER: _builtins.int
+    REPLY_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    session_lost: _builtins.bool
+    slot: _builtins.int
+    """A new slot (when asked for): its id and segment."""
+    segment: _builtins.str
+    @_builtins.property
+    def reply(self) -> Global___PushReply: ...
+    def __init__(
+        self,
+        *,
+        session_lost: _builtins.bool = ...,
+        reply: Global___PushReply | None = ...,
+        slot: _builtins.int = ...,
+        segment: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply", "segment", b"segment", "session_lost", b"session_lost", "slot", b"slot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushSharedReply: _TypeAlias = PushSharedReply  # noqa: Y015
+
+@_typing.final
+class CloseSharedMemoryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    session: _builtins.int
+    secret: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        session: _builtins.int = ...,
+        secret: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["secret", b"secret", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseSharedMemoryRequest: _TypeAlias = CloseSharedMemoryRequest  # noqa: Y015
+
+@_typing.final
+class CloseSharedMemoryReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseSharedMemoryReply: _TypeAlias = CloseSharedMemoryReply  # noqa: Y015

@@ -47,6 +47,36 @@ class ParameterServerStub:
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PullUnary = channel.unary_unary(
+                '/ps.v1.ParameterServer/PullUnary',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullChunk.FromString,
+                _registered_method=True)
+        self.PushUnary = channel.unary_unary(
+                '/ps.v1.ParameterServer/PushUnary',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.OpenSharedMemory = channel.unary_unary(
+                '/ps.v1.ParameterServer/OpenSharedMemory',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.OpenSharedMemoryRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.OpenSharedMemoryReply.FromString,
+                _registered_method=True)
+        self.AttachShards = channel.unary_unary(
+                '/ps.v1.ParameterServer/AttachShards',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.AttachShardsRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.AttachShardsReply.FromString,
+                _registered_method=True)
+        self.PushShared = channel.unary_unary(
+                '/ps.v1.ParameterServer/PushShared',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushSharedRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushSharedReply.FromString,
+                _registered_method=True)
+        self.CloseSharedMemory = channel.unary_unary(
+                '/ps.v1.ParameterServer/CloseSharedMemory',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryReply.FromString,
+                _registered_method=True)
         self.AssignShards = channel.unary_unary(
                 '/ps.v1.ParameterServer/AssignShards',
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.AssignShardsRequest.SerializeToString,
@@ -72,6 +102,47 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullUnary(self, request, context):
+        """Pull and Push of requests whose tensor bytes fit in one chunk: one message each way,
+        without a stream's setup (same validation, errors and exactly-once identity).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushUnary(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSharedMemory(self, request, context):
+        """The shared-memory data path of a client on this server's host (ps_server.shared_memory):
+        gRPC carries the handshake and these small control messages; the tensor bytes move
+        through segments this server creates, readable by its own user only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachShards(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushShared(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSharedMemory(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +178,36 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.FromString,
                     response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.SerializeToString,
+            ),
+            'PullUnary': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullUnary,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullChunk.SerializeToString,
+            ),
+            'PushUnary': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushUnary,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.SerializeToString,
+            ),
+            'OpenSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSharedMemory,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.OpenSharedMemoryRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.OpenSharedMemoryReply.SerializeToString,
+            ),
+            'AttachShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachShards,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.AttachShardsRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.AttachShardsReply.SerializeToString,
+            ),
+            'PushShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushShared,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushSharedRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushSharedReply.SerializeToString,
+            ),
+            'CloseSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSharedMemory,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryReply.SerializeToString,
             ),
             'AssignShards': grpc.unary_unary_rpc_method_handler(
                     servicer.AssignShards,
@@ -176,6 +277,168 @@ class ParameterServer:
             '/ps.v1.ParameterServer/Push',
             ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.SerializeToString,
             ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullUnary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/PullUnary',
+            ps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushUnary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/PushUnary',
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/OpenSharedMemory',
+            ps__proto_dot_v1_dot_parameter__server__pb2.OpenSharedMemoryRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.OpenSharedMemoryReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/AttachShards',
+            ps__proto_dot_v1_dot_parameter__server__pb2.AttachShardsRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.AttachShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/PushShared',
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushSharedRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushSharedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/CloseSharedMemory',
+            ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryReply.FromString,
             options,
             channel_credentials,
             insecure,

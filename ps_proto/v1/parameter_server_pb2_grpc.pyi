@@ -38,6 +38,19 @@ class ParameterServerStub:
     def __new__(cls, channel: _aio.Channel) -> ParameterServerAsyncStub: ...
     Pull: _grpc.UnaryStreamMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullChunk]
     Push: _grpc.StreamUnaryMultiCallable[_parameter_server_pb2.PushChunk, _parameter_server_pb2.PushReply]
+    PullUnary: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullChunk]
+    """Pull and Push of requests whose tensor bytes fit in one chunk: one message each way,
+    without a stream's setup (same validation, errors and exactly-once identity).
+    """
+    PushUnary: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PushChunk, _parameter_server_pb2.PushReply]
+    OpenSharedMemory: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.OpenSharedMemoryRequest, _parameter_server_pb2.OpenSharedMemoryReply]
+    """The shared-memory data path of a client on this server's host (ps_server.shared_memory):
+    gRPC carries the handshake and these small control messages; the tensor bytes move
+    through segments this server creates, readable by its own user only.
+    """
+    AttachShards: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.AttachShardsRequest, _parameter_server_pb2.AttachShardsReply]
+    PushShared: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PushSharedRequest, _parameter_server_pb2.PushSharedReply]
+    CloseSharedMemory: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.CloseSharedMemoryRequest, _parameter_server_pb2.CloseSharedMemoryReply]
     AssignShards: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.AssignShardsRequest, _parameter_server_pb2.AssignShardsReply]
     """Control plane, called only by the coordinator this server registered with (fenced by
     generation and token): the whole shard map; the server holds the shards placed on it.
@@ -59,6 +72,19 @@ class ParameterServerAsyncStub(ParameterServerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Pull: _aio.UnaryStreamMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullChunk]  # type: ignore[assignment]
     Push: _aio.StreamUnaryMultiCallable[_parameter_server_pb2.PushChunk, _parameter_server_pb2.PushReply]  # type: ignore[assignment]
+    PullUnary: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullChunk]  # type: ignore[assignment]
+    """Pull and Push of requests whose tensor bytes fit in one chunk: one message each way,
+    without a stream's setup (same validation, errors and exactly-once identity).
+    """
+    PushUnary: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PushChunk, _parameter_server_pb2.PushReply]  # type: ignore[assignment]
+    OpenSharedMemory: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.OpenSharedMemoryRequest, _parameter_server_pb2.OpenSharedMemoryReply]  # type: ignore[assignment]
+    """The shared-memory data path of a client on this server's host (ps_server.shared_memory):
+    gRPC carries the handshake and these small control messages; the tensor bytes move
+    through segments this server creates, readable by its own user only.
+    """
+    AttachShards: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.AttachShardsRequest, _parameter_server_pb2.AttachShardsReply]  # type: ignore[assignment]
+    PushShared: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PushSharedRequest, _parameter_server_pb2.PushSharedReply]  # type: ignore[assignment]
+    CloseSharedMemory: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.CloseSharedMemoryRequest, _parameter_server_pb2.CloseSharedMemoryReply]  # type: ignore[assignment]
     AssignShards: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.AssignShardsRequest, _parameter_server_pb2.AssignShardsReply]  # type: ignore[assignment]
     """Control plane, called only by the coordinator this server registered with (fenced by
     generation and token): the whole shard map; the server holds the shards placed on it.
@@ -89,6 +115,55 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.PushChunk],
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.PushReply, _abc.Awaitable[_parameter_server_pb2.PushReply]]: ...
+
+    @_abc_1.abstractmethod
+    def PullUnary(
+        self,
+        request: _parameter_server_pb2.PullRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.PullChunk, _abc.Awaitable[_parameter_server_pb2.PullChunk]]:
+        """Pull and Push of requests whose tensor bytes fit in one chunk: one message each way,
+        without a stream's setup (same validation, errors and exactly-once identity).
+        """
+
+    @_abc_1.abstractmethod
+    def PushUnary(
+        self,
+        request: _parameter_server_pb2.PushChunk,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.PushReply, _abc.Awaitable[_parameter_server_pb2.PushReply]]: ...
+
+    @_abc_1.abstractmethod
+    def OpenSharedMemory(
+        self,
+        request: _parameter_server_pb2.OpenSharedMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.OpenSharedMemoryReply, _abc.Awaitable[_parameter_server_pb2.OpenSharedMemoryReply]]:
+        """The shared-memory data path of a client on this server's host (ps_server.shared_memory):
+        gRPC carries the handshake and these small control messages; the tensor bytes move
+        through segments this server creates, readable by its own user only.
+        """
+
+    @_abc_1.abstractmethod
+    def AttachShards(
+        self,
+        request: _parameter_server_pb2.AttachShardsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.AttachShardsReply, _abc.Awaitable[_parameter_server_pb2.AttachShardsReply]]: ...
+
+    @_abc_1.abstractmethod
+    def PushShared(
+        self,
+        request: _parameter_server_pb2.PushSharedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.PushSharedReply, _abc.Awaitable[_parameter_server_pb2.PushSharedReply]]: ...
+
+    @_abc_1.abstractmethod
+    def CloseSharedMemory(
+        self,
+        request: _parameter_server_pb2.CloseSharedMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.CloseSharedMemoryReply, _abc.Awaitable[_parameter_server_pb2.CloseSharedMemoryReply]]: ...
 
     @_abc_1.abstractmethod
     def AssignShards(

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
 from ps_common.cli import (
-    add_daemon_arguments, add_server_loss_arguments, fail, parse_bytes, run_until_signal,
-    setup_logging,
+    add_daemon_arguments, add_server_loss_arguments, add_shared_memory_argument, fail,
+    parse_bytes, run_until_signal, setup_logging,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="where the coordinator keeps its own state (job progress) so that it "
                    "resumes after a restart (default: the checkpoint directory)")
+    add_shared_memory_argument(p, "let the job's workers use shared memory with servers on "
+                               "their host (the job key shared_memory: false); all use gRPC")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep servers and the coordinator up after the job ends")
     add_job_arguments(p)
@@ -73,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     except JobError as error:
         fail(parser, str(error))
         raise
+    if args.no_shm:
+        if job is None:
+            fail(parser, "--no-shm applies to the job's workers: give a job (--job or job flags)")
+        job = dataclasses.replace(job, shared_memory=False)
     try:
         config = CoordinatorConfig(
             job=job, keep_serving=args.keep_serving,

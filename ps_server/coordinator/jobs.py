@@ -123,6 +123,7 @@ class Worker:
     tasks_done: int = 0
     steps: int = 0
     leased: set[int] = field(default_factory=set)
+    data_path: str = ""  # as the worker reports it: "shm", "grpc", "shm+grpc"
 
 
 @dataclass(frozen=True)
@@ -362,14 +363,17 @@ class JobRunner:
             self._schedule(self._expiries, now + self._timeout, worker)
             return incarnation
 
-    def heartbeat(self, worker_id: str, incarnation: int) -> str:
-        """'continue', 'reregister' (fenced, unknown or forgotten) or 'stop' (job over)."""
+    def heartbeat(self, worker_id: str, incarnation: int, data_path: str = "") -> str:
+        """'continue', 'reregister' (fenced, unknown or forgotten) or 'stop' (job over).
+        `data_path`: how the worker's pulls and pushes travel, for status."""
         now = self._clock.monotonic()
         with self._locked():
             worker = self._current(worker_id, incarnation)
             if worker is None:
                 return "reregister"
             worker.last_heartbeat = now
+            if data_path:
+                worker.data_path = data_path
             if self.over or self.state is JobState.NONE:
                 self._leave(worker, WorkerState.DONE, now)
                 return "stop"
@@ -485,7 +489,7 @@ class JobRunner:
                 "failure": self.failure,
                 "workers": [
                     {**{k: getattr(w, k) for k in ("worker_id", "incarnation", "reason",
-                                                   "tasks_done", "steps")},
+                                                   "tasks_done", "steps", "data_path")},
                      "state": w.state.value, "heartbeat_age_s": now - w.last_heartbeat,
                      "died_at_s": (w.died_at - self._started_at) if w.died_at is not None else 0.0,
                      "leased_tasks": sorted(w.leased)}
@@ -528,6 +532,8 @@ class JobRunner:
             "job_elapsed_s": round(snap["elapsed_s"], 3),
             "steps_per_s": round(snap["steps"] / snap["elapsed_s"], 1) if snap["elapsed_s"] else None,
             "workers_dead": [w["worker_id"] for w in snap["workers"] if w["state"] == "dead"],
+            "data_paths": {w["worker_id"]: w["data_path"] for w in snap["workers"]
+                           if w["data_path"]},
             **({"failure": snap["failure"]} if snap["failure"] else {}),
         }
 

@@ -136,7 +136,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def WorkerHeartbeat(self, request, context):
         with translate_errors(context, "WorkerHeartbeat"):
-            action = self._runner.heartbeat(request.worker_id, request.incarnation)
+            action = self._runner.heartbeat(request.worker_id, request.incarnation,
+                                            request.data_path)
             return pb.WorkerHeartbeatReply(action=_ACTIONS[action])
 
     def LeaseTask(self, request, context):

@@ -18,6 +18,9 @@ from ps_server.initializers import initialize_rows
 from ps_worker import PSClient, RemoteError, RetryPolicy
 from ps_worker.coordinator_client import CoordinatorClient
 
+# These tests inject faults into calls on the wire: servers without shared memory.
+SHARED_MEMORY = False
+
 SGD1 = {"name": "sgd", "lr": 1.0}
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
 

@@ -21,6 +21,17 @@ SGD1 = {"name": "sgd", "lr": 1.0}
 JOIN_TIMEOUT_S = 30.0
 
 
+@pytest.fixture(params=["grpc", "shm"])
+def data_path(request):
+    """Every test here runs twice: with servers that offer shared memory to this process
+    (pulls and pushes go through it) and with servers started --no-shm (all over gRPC).
+    Bad input reaches a server the same way on both; errors and values must be equal."""
+    return request.param
+
+
+pytestmark = pytest.mark.usefixtures("data_path")
+
+
 # ---- helpers ------------------------------------------------------------------------------
 
 def pull_all(ps: PSClient) -> dict[str, np.ndarray]:

@@ -15,6 +15,9 @@ from ps_server.app import ParameterServer, ServerConfig
 from ps_server.initializers import initialize_rows
 from ps_worker import PSClient, RemoteError, RetryPolicy
 
+# These tests inject faults into calls on the wire: servers without shared memory.
+SHARED_MEMORY = False
+
 SGD1 = {"name": "sgd", "lr": 1.0}
 WAIT_S = 30.0
 # Waits as a worker does: no attempt limit (short backoffs, so the test retries many times).

@@ -27,6 +27,9 @@ from ps_server.cli import build_parser, config_from_args
 from ps_server.streams import StreamLimiter
 from ps_worker import PSClient, RemoteError, RetryPolicy
 
+# These tests inject faults into calls on the wire: servers without shared memory.
+SHARED_MEMORY = False
+
 SGD1 = {"name": "sgd", "lr": 1.0}
 ZEROS = {"name": "constant", "value": 0.0}
 WAIT_S = 30.0  # bound of every wait; never reached when the code is right
@@ -228,7 +231,9 @@ def test_streams_beyond_max_streams_are_refused_while_control_plane_answers(
     cluster = make_cluster(servers=1, max_streams=2)  # default idle timeout: nothing is cut
     (server,) = cluster.servers
     channel = channels(server.address)
-    with PSClient(cluster.coordinator_address, retry=NO_RETRY) as ps:
+    # 64-byte chunks: the 128-byte pushes below go out as streams.
+    with PSClient(cluster.coordinator_address, retry=NO_RETRY, chunk_bytes=64) as ps, \
+            PSClient(cluster.coordinator_address, retry=NO_RETRY) as one_message:
         ps.declare("w", shape=(8, 4), init=ZEROS, optimizer=SGD1)
         with StalledPush(channel, ps, "w") as first, StalledPush(channel, ps, "w") as second:
             wait_until(lambda: server.streams.active == 2, "both slots taken")
@@ -236,6 +241,9 @@ def test_streams_beyond_max_streams_are_refused_while_control_plane_answers(
             with pytest.raises(RemoteError) as caught:
                 ps.push({"w": np.ones((8, 4), np.float32)})
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # Pulls and pushes that fit in one message hold no stream slot: served meanwhile.
+            one_message.push({"w": np.ones((8, 4), np.float32)})
+            np.testing.assert_array_equal(one_message.pull("w"), -np.ones((8, 4), np.float32))
             # Control plane: health, and a declaration (the coordinator's AssignShards).
             assert health(channel) == health_pb2.HealthCheckResponse.SERVING
             ps.declare("v", shape=(3,), init=ZEROS, optimizer=SGD1)
@@ -245,7 +253,7 @@ def test_streams_beyond_max_streams_are_refused_while_control_plane_answers(
             assert first.code() == second.code() == grpc.StatusCode.INVALID_ARGUMENT
         wait_until(lambda: server.streams.active == 0, "slots freed")
         values = ps.pull(["w", "v"])
-        np.testing.assert_array_equal(values["w"], np.zeros((8, 4), np.float32))
+        np.testing.assert_array_equal(values["w"], -np.ones((8, 4), np.float32))
         np.testing.assert_array_equal(values["v"], np.zeros(3, np.float32))
 
 
@@ -256,12 +264,14 @@ def test_a_client_backs_off_and_retries_while_every_slot_is_taken(make_cluster, 
     (server,) = cluster.servers
     channel = channels(server.address)
     patient = RetryPolicy(max_attempts=1000, initial_backoff_s=0.01, max_backoff_s=0.05)
-    with PSClient(cluster.coordinator_address, retry=patient) as ps:
+    # 64-byte chunks: these pulls and pushes of 128 bytes are streams.
+    with PSClient(cluster.coordinator_address, retry=patient, chunk_bytes=64) as ps:
         ps.declare("w", shape=(8, 4), init=ZEROS, optimizer=SGD1)
         with StalledPush(channel, ps, "w") as stalled:
             wait_until(lambda: server.streams.active == 1, "the slot taken")
             with pytest.raises(RemoteError) as caught:
-                with PSClient(cluster.coordinator_address, retry=NO_RETRY) as impatient:
+                with PSClient(cluster.coordinator_address, retry=NO_RETRY,
+                              chunk_bytes=64) as impatient:
                     impatient.pull("w")
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert caught.value.retry_after_s is not None and caught.value.retry_after_s > 0

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
+from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_server.initializers import initialize_rows
 from ps_worker import PSClient, RemoteError, RetryPolicy
 from ps_worker.coordinator_client import CoordinatorClient
@@ -299,11 +300,21 @@ class _ResponseLost:
 
 
 class LossyClient(PSClient):
-    """Loses the response of every `every`-th push attempt (the push itself lands)."""
+    """Loses the response of every `every`-th push attempt (the push itself lands), on
+    every way a push goes out: a stream, one message, or a header for shared memory."""
 
     def __init__(self, *args, every: int = 3, **kwargs):
         super().__init__(*args, **kwargs)
         self._every, self._attempts, self.lost = every, 0, 0
+
+    def _lose_this_one(self, reply) -> bool:
+        if isinstance(reply, ps_pb.PushSharedReply) and not reply.HasField("reply"):
+            return False  # a slot handed out: no push in it
+        self._attempts += 1
+        if self._attempts % self._every:
+            return False
+        self.lost += 1
+        return True
 
     def _stub(self, address):
         stub, client = super()._stub(address), self
@@ -311,14 +322,20 @@ class LossyClient(PSClient):
         class LossyPush:
             def future(self, chunks, timeout=None):
                 call = stub.Push.future(chunks, timeout=timeout)
-                client._attempts += 1
-                if client._attempts % client._every:
-                    return call
-                client.lost += 1
-                return _ResponseLost(call)
+                return _ResponseLost(call) if client._lose_this_one(None) else call
+
+        def lossy(method):
+            def call(request, timeout=None):
+                reply = method(request, timeout=timeout)
+                if client._lose_this_one(reply):
+                    raise LostResponse()
+                return reply
+            return call
 
         class Stub:
             Push = LossyPush()
+            PushUnary = staticmethod(lossy(stub.PushUnary))
+            PushShared = staticmethod(lossy(stub.PushShared))
 
             def __getattr__(self, name):
                 return getattr(stub, name)

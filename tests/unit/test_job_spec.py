@@ -17,7 +17,7 @@ def test_defaults():
     assert dataclasses.asdict(job) == {
         "model": "mlp", "hidden": (64,), "data": "digits", "epochs": 10, "batch_size": 32,
         "optimizer": "adam", "lr": 0.002, "mode": "async", "seed": 0, "tasks_per_epoch": 8,
-        "checkpoint_dir": ""}
+        "checkpoint_dir": "", "shared_memory": True}
 
 
 def test_spec_is_frozen():

@@ -20,9 +20,9 @@ def test_a_repeated_assignment_during_initialization_creates_nothing_twice(monke
     second_started = threading.Event()
     real_initialize = store_module.initialize_rows
 
-    def slow_initialize(spec, start, stop):
+    def slow_initialize(spec, start, stop, out=None):
         second_started.wait(timeout=2.0)  # let the duplicate delivery arrive meanwhile
-        return real_initialize(spec, start, stop)
+        return real_initialize(spec, start, stop, out)
 
     monkeypatch.setattr(store_module, "initialize_rows", slow_initialize)
     store = ShardStore()

@@ -1,0 +1,249 @@
+"""The server side of the shared-memory data path (layout: ps_common.shm).
+
+With it on, every shard's values live in a segment of their own, so that a client on the
+same host pulls by copying them under the segment's sequence lock, with no call at all; the
+server bumps the lock around every update (ShardStore.apply). A client pushes by writing
+its gradients into a push slot (a segment the server made for its session) and sending the
+push's header over gRPC (PushShared): the server validates and applies it from the slot
+exactly as it does a push that came over the wire.
+
+The handshake proves that a client shares the host and the user: the server writes a
+secret into a probe segment (mode 0600) and the client must present it on every call. A
+client that cannot read it (another host or container, another user) uses gRPC.
+
+Segments are the server's: made 0600, unlinked when a shard is dropped, a session closes or
+the server stops, and those a dead server left behind are cleared when a server starts
+(`clear_dead`). A shard whose segment cannot be made (a small /dev/shm) lives in ordinary
+memory and is pulled over gRPC.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ps_common import shm
+from ps_common.errors import InvalidArgument, Overloaded
+
+log = logging.getLogger(__name__)
+
+# Sessions held at once: past it, the least recently used one ends (its client opens a new
+# one). Push slots per session: a client's push window.
+MAX_SESSIONS = 1024
+MAX_SLOTS_PER_SESSION = 8
+
+
+# Segment names are unique per process (several servers may share one: tests, embedders).
+_SERIAL = itertools.count(1)
+
+
+@dataclass
+class Session:
+    id: int
+    client_id: str
+    secret: bytes
+    probe: shm.Segment | None
+    slots: dict[int, shm.Segment] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SharedMemory:
+    """Thread-safe. The segments of one server process; also the ShardStore's value memory
+    (`empty`, `seqlock`, `retire`, `set_epoch`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        start = shm.process_start_time(os.getpid())
+        self._prefix = f"{shm.PREFIX}{os.getpid()}.{start}."
+        self._values: dict[int, tuple[np.ndarray, shm.Segment]] = {}  # id(values) -> ...
+        self._sessions: OrderedDict[int, Session] = OrderedDict()
+        self._session_ids = itertools.count(1)
+        self._closed = False
+        self.control = shm.create(self._name("control"), 0)
+        self.control.header[shm.PID] = os.getpid()
+
+    def _name(self, kind: str) -> str:
+        return f"{self._prefix}{next(_SERIAL)}.{kind}"
+
+    # ---- value memory (ShardStore) ----------------------------------------------------
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """An uninitialized array in a segment of its own, or in ordinary memory when no
+        segment can be made (the shard is then pulled over gRPC)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        try:
+            segment = shm.create(self._name("values"), nbytes)
+        except OSError as error:
+            log.warning("no shared memory for a shard of %.1f MiB (%s): it is served over "
+                        "gRPC only", nbytes / 2**20, error.strerror or error)
+            return np.empty(shape, dtype)
+        values = segment.array(dtype, shape)
+        with self._lock:
+            self._values[id(values)] = (values, segment)
+        return values
+
+    def seqlock(self, values: np.ndarray) -> np.ndarray | None:
+        """The header words of `values`' segment (None if it has none): ShardStore.apply
+        bumps word shm.VERSION around every update, under the shard's lock."""
+        with self._lock:
+            entry = self._values.get(id(values))
+        return None if entry is None else entry[1].header
+
+    def segment_of(self, values: np.ndarray) -> shm.Segment | None:
+        with self._lock:
+            entry = self._values.get(id(values))
+        return None if entry is None else entry[1]
+
+    def retire(self, values: np.ndarray) -> None:
+        """The shard no longer exists here: readers that mapped it stop using it."""
+        with self._lock:
+            entry = self._values.pop(id(values), None)
+        if entry is not None:
+            _retire(entry[1])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.control.header[shm.EPOCH] = epoch
+
+    # ---- sessions ----------------------------------------------------------------------
+
+    def open_session(self, client_id: str) -> Session:
+        secret = secrets.token_bytes(shm.SECRET_BYTES)
+        probe = shm.create(self._name("probe"), shm.SECRET_BYTES)
+        probe.data[:shm.SECRET_BYTES] = secret
+        with self._lock:
+            if self._closed:
+                shm.unlink(probe.path)
+                raise Overloaded("the server is stopping")
+            session = Session(next(self._session_ids), client_id, secret, probe)
+            self._sessions[session.id] = session
+            evicted = (self._sessions.popitem(last=False)[1]
+                       if len(self._sessions) > MAX_SESSIONS else None)
+        if evicted is not None:
+            _end(evicted)
+        return session
+
+    def session(self, session_id: int, secret: bytes) -> Session | None:
+        """The session, if it exists and `secret` is its own (None: the client opens a new
+        one). The first call that proves the secret removes the probe."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or not secrets.compare_digest(session.secret, secret):
+                return None
+            self._sessions.move_to_end(session_id)
+            probe, session.probe = session.probe, None
+        if probe is not None:
+            shm.unlink(probe.path)
+        return session
+
+    def new_slot(self, session: Session, nbytes: int, limit: int) -> tuple[int, shm.Segment]:
+        """A push slot of `nbytes` for `session`. Raises InvalidArgument past `limit` (more
+        than any push to this server can carry) and Overloaded when the session holds its
+        MAX_SLOTS_PER_SESSION already; OSError when /dev/shm has no room."""
+        if not 0 < nbytes <= limit:
+            raise InvalidArgument(f"a push slot of {nbytes} bytes: must be between 1 and "
+                                  f"{limit} (the bytes this server holds)")
+        with session.lock:
+            if len(session.slots) >= MAX_SLOTS_PER_SESSION:
+                raise Overloaded(f"session of {session.client_id} holds "
+                                 f"{MAX_SLOTS_PER_SESSION} push slots already")
+            segment = shm.create(self._name("slot"), nbytes)
+            slot = next(_SERIAL)
+            session.slots[slot] = segment
+        return slot, segment
+
+    def slot(self, session: Session, slot: int) -> shm.Segment:
+        with session.lock:
+            segment = session.slots.get(slot)
+        if segment is None:
+            raise InvalidArgument(f"push slot {slot} is not one of this session's")
+        return segment
+
+    def close_session(self, session: Session) -> None:
+        with self._lock:
+            self._sessions.pop(session.id, None)
+        _end(session)
+
+    def close_client(self, client_id: str) -> None:
+        """End the sessions of a client the coordinator declared gone."""
+        with self._lock:
+            ended = [s for s in self._sessions.values() if s.client_id == client_id]
+            for session in ended:
+                del self._sessions[session.id]
+        for session in ended:
+            _end(session)
+
+    @property
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # ---- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Mark everything retired and unlink every segment (the server is stopping).
+        Mappings stay valid until the arrays are gone, so handlers still running are safe."""
+        with self._lock:
+            self._closed = True
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+            values = [segment for _, segment in self._values.values()]
+            self._values.clear()
+        for session in sessions:
+            _end(session)
+        for segment in values:
+            _retire(segment)
+        _retire(self.control)
+
+
+def _retire(segment: shm.Segment) -> None:
+    segment.header[shm.FLAGS] = int(segment.header[shm.FLAGS]) | shm.RETIRED
+    shm.unlink(segment.path)
+
+
+def _end(session: Session) -> None:
+    with session.lock:
+        segments = list(session.slots.values())
+        session.slots.clear()
+        probe, session.probe = session.probe, None
+    if probe is not None:
+        segments.append(probe)
+    for segment in segments:
+        shm.unlink(segment.path)
+
+
+def clear_dead() -> int:
+    """Remove the segments of paramserve servers of this user that are no longer running
+    (killed, say, with SIGKILL): marked retired first, so that clients still mapping them
+    stop using them. Returns how many were removed."""
+    removed = 0
+    try:
+        entries = list(shm.DIRECTORY.iterdir())
+    except OSError:
+        return 0
+    uid = os.getuid()
+    for path in entries:
+        if not path.name.startswith(shm.PREFIX) or shm.owner_alive(path.name):
+            continue
+        try:
+            if path.stat().st_uid != uid:
+                continue
+            segment = shm.attach(path.name, writable=True)
+            segment.header[shm.FLAGS] = int(segment.header[shm.FLAGS]) | shm.RETIRED
+        except (OSError, ValueError):
+            pass  # not ours to mark, or not a segment: remove it all the same if we may
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d shared-memory segment(s) left by a parameter server that is no "
+                 "longer running", removed)
+    return removed

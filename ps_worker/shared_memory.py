@@ -1,0 +1,222 @@
+"""The client side of the shared-memory data path (server side: ps_server.shared_memory).
+
+A `SharedSession` is one client's session with one server on its host. Pulls copy shard
+values straight out of the server's segments under their sequence locks, with no call;
+pushes write the gradients into a push slot and send only the header (PushShared).
+
+Whenever something does not fit (the server's epoch differs from the caller's map, a shard
+is not in shared memory, the lock keeps moving under a long update, no slot can be had),
+`read` returns False or `push_slot` returns None and the caller does the call over gRPC,
+which gives the answer, or the error, a gRPC call gives. `SessionLost` means the session is
+over (the server restarted or stopped): the caller forgets it and opens a new one later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from ps_common import shm
+from ps_common.shardmap import Shard
+from ps_proto.v1 import parameter_server_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Copies tried while updates keep changing a shard, before the pull goes over gRPC (which
+# waits for the shard's lock instead); between tries the reader waits this long at most.
+MAX_READ_ATTEMPTS = 8
+MAX_READ_BACKOFF_S = 0.002
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+class SessionLost(Exception):
+    """The server no longer knows this session (it restarted or stopped)."""
+
+
+class PushSlot:
+    """A push slot: a segment the client writes a push's tensors into, back to back."""
+
+    def __init__(self, slot: int, segment: shm.Segment):
+        self.slot = slot
+        self.segment = segment
+        self.nbytes = segment.nbytes
+
+    def write(self, tensors: list[np.ndarray]) -> None:
+        offset = 0
+        for tensor in tensors:
+            raw = tensor.reshape(-1).view(np.uint8)
+            np.copyto(np.frombuffer(self.segment.data, np.uint8, raw.size, offset), raw)
+            offset += raw.size
+
+
+class SharedSession:
+    """Thread-safe. Made by `open`, which returns None when the server cannot share memory
+    with this process."""
+
+    def __init__(self, stub, session: int, secret: bytes, control: shm.Segment,
+                 server_id: str):
+        self._stub = stub
+        self._session = session
+        self._secret = secret
+        self._control = control
+        self._server_id = server_id
+        self._lock = threading.Lock()
+        # (variable, index) -> (shard, segment, values view), or None: not in shared memory.
+        self._attached: dict[tuple[str, int], tuple[Shard, shm.Segment, np.ndarray] | None] = {}
+        self._free: list[PushSlot] = []
+        self._slots = 0
+        self._no_more_slots = False
+
+    @classmethod
+    def open(cls, stub, client_id: str, server_id: str) -> "SharedSession | None":
+        """The handshake: a session if the server offers one and this process can read the
+        secret in its probe segment (same host, same user); else None."""
+        try:
+            reply = stub.OpenSharedMemory(pb.OpenSharedMemoryRequest(client_id=client_id),
+                                          timeout=HANDSHAKE_TIMEOUT_S)
+        except grpc.RpcError as error:
+            log.info("server %s: no shared memory (%s): using gRPC", server_id,
+                     error.code().name)
+            return None
+        if not reply.offered:
+            log.info("server %s offers no shared memory: using gRPC", server_id)
+            return None
+        try:
+            probe = shm.attach(reply.probe, writable=False)
+            secret = bytes(probe.data[:shm.SECRET_BYTES])
+            control = shm.attach(reply.control, writable=False)
+        except (OSError, ValueError) as error:
+            log.info("server %s is not on this host's shared memory (%s): using gRPC",
+                     server_id, error)
+            return None
+        log.info("server %s: pulls and pushes go through shared memory", server_id)
+        return cls(stub, reply.session, secret, control, server_id)
+
+    @property
+    def alive(self) -> bool:
+        return not self._control.retired
+
+    # ---- pull ----------------------------------------------------------------------------
+
+    def read(self, epoch: int, shards: list[Shard], destinations: list[np.ndarray],
+             timeout_s: float) -> bool:
+        """Copy each shard's values into its destination (same shape and dtype), each a
+        consistent snapshot. False: do this pull over gRPC instead."""
+        if self._control.retired:
+            raise SessionLost()
+        if int(self._control.header[shm.EPOCH]) != epoch:
+            return False  # gRPC answers stale or not-ready as it should
+        sources = self._sources(epoch, shards, timeout_s)
+        if sources is None:
+            return False
+        for (segment, values), destination in zip(sources, destinations):
+            if not _copy_consistent(segment, values, destination):
+                return False
+        return True
+
+    def _sources(self, epoch: int, shards: list[Shard], timeout_s: float):
+        with self._lock:
+            found = [self._attached.get(s.key, False) for s in shards]
+        missing = [s for s, f in zip(shards, found)
+                   if f is False or (f is not None and (f[0] != s or f[1].retired))]
+        if missing:
+            self._attach(epoch, missing, timeout_s)
+            with self._lock:
+                found = [self._attached.get(s.key) for s in shards]
+        if any(f is None or f[0] != s for s, f in zip(shards, found)):
+            return None
+        return [(segment, values) for _, segment, values in found]
+
+    def _attach(self, epoch: int, shards: list[Shard], timeout_s: float) -> None:
+        request = pb.AttachShardsRequest(
+            session=self._session, secret=self._secret, epoch=epoch,
+            shards=[pb.ShardRef(variable=s.variable, index=s.index) for s in shards])
+        try:
+            reply = self._stub.AttachShards(request, timeout=timeout_s)
+        except grpc.RpcError:
+            return  # the pull goes over gRPC, which reports what is wrong
+        if reply.session_lost:
+            raise SessionLost()
+        by_key = {s.key: s for s in shards}
+        attached = {}
+        for shared in reply.shards:
+            shard = by_key[(shared.shard.variable, shared.shard.index)]
+            entry = None
+            if shared.segment:
+                try:
+                    segment = shm.attach(shared.segment, writable=False)
+                    shape = tuple(shared.meta.shape)
+                    dtype = _DTYPES[shared.meta.dtype]
+                    entry = (shard, segment, segment.array(dtype, shape))
+                except (OSError, ValueError):
+                    entry = None  # gone already (the map moved): over gRPC this time
+            attached[shard.key] = entry
+        with self._lock:
+            self._attached.update(attached)
+
+    # ---- push ----------------------------------------------------------------------------
+
+    def push_slot(self, nbytes: int, timeout_s: float) -> PushSlot | None:
+        """A free push slot of at least `nbytes`, or None (push over gRPC). Give it back
+        with `release` once the push is over."""
+        with self._lock:
+            for i, slot in enumerate(self._free):
+                if slot.nbytes >= nbytes:
+                    return self._free.pop(i)
+            if self._no_more_slots:
+                return None
+        request = pb.PushSharedRequest(session=self._session, secret=self._secret,
+                                       slot_bytes=max(nbytes, 1))
+        try:
+            reply = self._stub.PushShared(request, timeout=timeout_s)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                with self._lock:
+                    self._no_more_slots = True
+            return None
+        if reply.session_lost:
+            raise SessionLost()
+        if not reply.slot:
+            return None
+        try:
+            return PushSlot(reply.slot, shm.attach(reply.segment, writable=True))
+        except (OSError, ValueError):
+            return None
+
+    def release(self, slot: PushSlot) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def push_request(self, slot: PushSlot, header: pb.PushHeader) -> pb.PushSharedRequest:
+        return pb.PushSharedRequest(session=self._session, secret=self._secret,
+                                    slot=slot.slot, header=header)
+
+    def close(self) -> None:
+        """End the session at the server (best effort: it also ends when the server stops
+        or the coordinator declares this client gone)."""
+        try:
+            self._stub.CloseSharedMemory(pb.CloseSharedMemoryRequest(
+                session=self._session, secret=self._secret), timeout=2.0)
+        except (grpc.RpcError, ValueError):  # ValueError: the channel is closed already
+            pass
+
+
+_DTYPES = {1: np.float32, 2: np.float64, 3: np.float16}
+
+
+def _copy_consistent(segment: shm.Segment, values: np.ndarray, destination: np.ndarray) -> bool:
+    """Copy `values` into `destination` between two equal, even versions of the segment's
+    sequence lock (ps_common.shm); False if updates kept it moving or the shard retired."""
+    header = segment.header
+    for attempt in range(MAX_READ_ATTEMPTS):
+        before = int(header[shm.VERSION])
+        if not before & 1:
+            np.copyto(destination, values)
+            if int(header[shm.VERSION]) == before:
+                return not int(header[shm.FLAGS]) & shm.RETIRED
+        time.sleep(min(MAX_READ_BACKOFF_S, 0.0001 * 2 ** attempt))
+    return False
