@@ -96,6 +96,9 @@ class Segment:
     def data(self) -> memoryview:
         return memoryview(self._mapping)[HEADER_BYTES:]
 
+    def releaser(self) -> "Releaser":
+        return Releaser(self._mapping)
+
     @property
     def retired(self) -> bool:
         return bool(int(self.header[FLAGS]) & RETIRED)
@@ -151,3 +154,41 @@ def unlink(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class Releaser:
+    """Drops pages of a mapping from this process's memory once they have been read, so
+    that reading a large segment front to back never holds more than RELEASE_BYTES of it
+    resident here (the data stays in the segment: other processes, and a later read, see it).
+    Call it with each array read in turn (views into the mapping), then `finish()`."""
+
+    RELEASE_BYTES = 4 << 20
+
+    def __init__(self, mapping: mmap.mmap):
+        self._mapping = mapping
+        self._base = np.frombuffer(mapping, np.uint8).ctypes.data
+        self._size = len(mapping)
+        self._released = 0  # where the range read but not yet released starts
+        self._seen = 0  # where it ends
+
+    def __call__(self, block: np.ndarray) -> None:
+        start = block.ctypes.data - self._base
+        end = start + block.nbytes
+        if not 0 <= start < end <= self._size:
+            return  # not in this mapping (e.g. a widened copy)
+        if start < self._seen:  # another pass from the front (validation, then the update)
+            self._release()
+            self._released = start - start % mmap.PAGESIZE
+        self._seen = end
+        if self._seen - self._released >= self.RELEASE_BYTES:
+            self._release()
+
+    def finish(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        start = self._released - self._released % mmap.PAGESIZE
+        stop = self._seen - self._seen % mmap.PAGESIZE
+        if stop > start:
+            self._mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
+            self._released = stop

@@ -102,9 +102,10 @@ def make_state(spec: VariableSpec, shape: tuple[int, ...]) -> ShardOptimizerStat
 
 def apply_update(
     spec: VariableSpec, knobs: dict[str, float], values: np.ndarray,
-    state: ShardOptimizerState, grad: np.ndarray,
+    state: ShardOptimizerState, grad: np.ndarray, after_block=None,
 ) -> None:
-    """Apply one gradient to `values` in place. `grad` must be writable: it is clobbered."""
+    """Apply one gradient to `values` in place. `grad` must be writable: it is clobbered.
+    `after_block(block)` is called with each block of `grad` once it has been used."""
     state.steps += 1
     w = values.reshape(-1)
     g = grad.reshape(-1)
@@ -127,6 +128,8 @@ def apply_update(
         step(wb, gb, sb, {k: v[start:stop] for k, v in slots.items()}, constants)
         if widen:
             w[start:stop] = wb
+        if after_block is not None:
+            after_block(g[start:stop])
 
 
 def _constants(kind: str, knobs: dict[str, float], t: int) -> dict[str, float]:

@@ -65,9 +65,11 @@ class PushReceiver:
             for buffer in buffers:
                 self._buffers.release(buffer)
 
-    def receive_shared(self, header: PushHeader, data: memoryview) -> bool:
+    def receive_shared(self, header: PushHeader, data: memoryview, release=None) -> bool:
         """The same for a push whose tensors lie back to back at the start of `data` (a
-        client's push slot in shared memory): read in place, no copy."""
+        client's push slot in shared memory): read in place, no copy. `release` (a
+        ps_common.shm.Releaser of the slot) is given each block once it has been read, so
+        the slot never becomes resident in this process as a whole."""
         _check_identity(header)
         if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
             return True
@@ -80,17 +82,21 @@ class PushReceiver:
         for meta, held in zip(header.metas, targets):
             grads.append(_decode(data[offset:offset + meta.nbytes], meta, held.spec.dtype))
             offset += meta.nbytes
-        return self._apply(header, targets, grads)
+        try:
+            return self._apply(header, targets, grads, release)
+        finally:
+            if release is not None:
+                release.finish()
 
-    def _apply(self, header: PushHeader, targets, grads) -> bool:
-        self._store.check_gradients(targets, grads)
+    def _apply(self, header: PushHeader, targets, grads, after_block=None) -> bool:
+        self._store.check_gradients(targets, grads, after_block)
         # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
         # checkpoint with its ledger entry, or not at all.
         with self._store.gate.shared(), self._ledger.exactly_once(
                 header.client_id, header.incarnation, header.sequence,
                 header.acked_through) as duplicate:
             if not duplicate:
-                self._store.apply(targets, grads)
+                self._store.apply(targets, grads, after_block)
         return duplicate
 
 

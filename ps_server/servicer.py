@@ -160,7 +160,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                     return pb.PushSharedReply()
                 return pb.PushSharedReply(slot=slot, segment=segment.name)
             segment = self._shared.slot(session, request.slot)
-            duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data)
+            duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data,
+                                                    segment.releaser())
             return pb.PushSharedReply(reply=pb.PushReply(duplicate=duplicate))
 
     def CloseSharedMemory(self, request: pb.CloseSharedMemoryRequest, context):

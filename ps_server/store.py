@@ -274,22 +274,24 @@ class ShardStore:
                 )
         return targets
 
-    def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray]) -> None:
+    def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray],
+                        after_block=None) -> None:
+        """Refuse non-finite gradients. `after_block(block)` is called with each block of
+        a gradient once it has been read (a push read from shared memory releases it)."""
         if self.allow_non_finite:
             return
         for held, grad in zip(targets, grads):
-            # A finite sum proves every element finite without a full-size boolean temporary
-            # (and runs at memory speed); only a non-finite sum, which an overflow of large
-            # finite values can also give, needs the element-wise check.
-            if not np.isfinite(grad.sum()) and not np.isfinite(grad).all():
+            if not _all_finite(grad.reshape(-1), after_block):
                 bad = int(np.size(grad) - np.count_nonzero(np.isfinite(grad)))
                 raise InvalidArgument(
                     f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "
                     "nothing was applied (start the server with --allow-non-finite to accept them)"
                 )
 
-    def apply(self, targets: list[HeldShard], grads: list[np.ndarray]) -> None:
-        """Apply validated gradients, all shards or none: locks are taken in key order."""
+    def apply(self, targets: list[HeldShard], grads: list[np.ndarray],
+              after_block=None) -> None:
+        """Apply validated gradients, all shards or none: locks are taken in key order.
+        `after_block` as for check_gradients."""
         ordered = sorted(zip(targets, grads), key=lambda pair: pair[0].key)
         while True:
             for held, _ in ordered:
@@ -301,7 +303,8 @@ class ShardStore:
                     for held, grad in ordered:
                         if held.seqlock is not None:
                             held.seqlock[VERSION] += 1  # odd: readers of the segment retry
-                        apply_update(held.spec, held.knobs, held.values, held.state, grad)
+                        apply_update(held.spec, held.knobs, held.values, held.state, grad,
+                                     after_block)
                         if held.seqlock is not None:
                             held.seqlock[VERSION] += 1
                         held.updates += 1
@@ -310,3 +313,19 @@ class ShardStore:
                 for held, _ in ordered:
                     held.lock.release()
             capture.wait_written(blocked)  # the checkpoint's copies are at their bound
+
+
+# Gradients are checked a block at a time: a finite sum proves every element of a block
+# finite without a full-size boolean temporary (and runs at memory speed); only a non-finite
+# sum, which an overflow of large finite values can also give, needs the element-wise check.
+CHECK_BLOCK_ELEMENTS = 1 << 20
+
+
+def _all_finite(flat: np.ndarray, after_block) -> bool:
+    for start in range(0, flat.size, CHECK_BLOCK_ELEMENTS):
+        block = flat[start:start + CHECK_BLOCK_ELEMENTS]
+        if not np.isfinite(block.sum()) and not np.isfinite(block).all():
+            return False
+        if after_block is not None:
+            after_block(block)
+    return True
