@@ -16,7 +16,8 @@ long-lived buffer, the receiver writes each message into a long-lived buffer. Wi
 copy=False the sender re-sends one prebuilt message and the receiver only counts bytes:
 the ceiling of grpcio itself.
 
-Run standalone (`python benchmarks/bare_grpc.py --seconds 3`) it prints all three.
+Run standalone (`python benchmarks/bare_grpc.py --seconds 3`) it prints all three;
+`--quick` runs each for a moment (4 MiB transfers, 50 echoes) to show that it still runs.
 """
 
 from __future__ import annotations
@@ -252,7 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bytes", type=int, default=64 * 2**20, help="per direction (default 64MiB)")
     p.add_argument("--chunk-bytes", type=int, default=2 * 2**20, help="default 2MiB")
     p.add_argument("--calls", type=int, default=5000, help="echo calls (default 5000)")
+    p.add_argument("--warmup", type=int, default=500, help="untimed echo calls (default 500)")
+    harness.add_quick_flag(p)
     args = p.parse_args(argv)
+    harness.apply_quick(p, args, seconds=0.2, bytes=4 * 2**20, calls=50, warmup=10)
+    if args.seconds <= 0 or args.bytes < 1 or args.chunk_bytes < 1 or args.calls < 1 \
+            or args.warmup < 0:
+        p.error("--seconds must be > 0, --bytes, --chunk-bytes and --calls >= 1, "
+                "--warmup >= 0")
     with harness.bounded(4 * args.seconds + 120, "bare_grpc"), harness.ProcessGroup() as group:
         server = start_server(group)
         with BareClient(server.address) as client:
@@ -260,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             ceiling = time_round_trips(client, args.bytes, args.chunk_bytes, args.seconds,
                                        copy=False)
             payload = bytes(1024)
-            echo = time_calls(lambda: client.echo(payload), args.calls, 500)
+            echo = time_calls(lambda: client.echo(payload), args.calls, args.warmup)
         rows = [
             ("transfer (1 copy/side)", f"{copy['round_trips_per_s']:.2f} round trips/s  "
                                        f"{copy['gb_per_s']:.3f} GB/s"),
@@ -273,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         harness.report("bare-grpc", rows, {
             "transfer": copy, "transfer_no_copy": ceiling,
             "echo_us": {"p50": harness.percentile(echo, 50), "p99": harness.percentile(echo, 99)},
-            "server_peak_rss_bytes": server.peak_rss_bytes()})
+            "server_peak_rss_bytes": server.peak_rss_bytes()}, quick=args.quick)
     return 0
 
 

@@ -35,6 +35,7 @@ arrays: the "first" np.copy and the spread of the plain writes show it in the sa
     python benchmarks/checkpoint.py                       # 512 MiB, 1 server
     python benchmarks/checkpoint.py --mib 1024
     python benchmarks/checkpoint.py --servers 8           # 8 servers: 64 MiB shards
+    python benchmarks/checkpoint.py --quick               # 4 MiB, 2 rounds: does it run?
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not time the server's checkpoint steps")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="hard bound on the whole run (default: generous, from --mib)")
+    harness.add_quick_flag(p)
     return p
 
 
@@ -278,7 +280,10 @@ class Trace:
         self._wrap(snapshots.ShardCopy, "of",
                    lambda: ("push: shard copies" if getattr(local, "in_push", False)
                             else "writer: shard copies"), classmethod_=True)
-        self._wrap(snapshots, "_write_arrays", "writer: sha256 + write (to the page cache)")
+        # The writer's per-shard step: one call per shard since the writer reads blocks of
+        # the live values (_write_shard), one call for all of them before (_write_arrays).
+        step = "_write_shard" if "_write_shard" in snapshots.__dict__ else "_write_arrays"
+        self._wrap(snapshots, step, "writer: blocks + sha256 + write (to the page cache)")
         original_hashlib = checkpoints_module.hashlib
         trace = self
 
@@ -550,6 +555,7 @@ def measure(args, cluster, client, root: Path, nbytes: int, size: int, trace: Tr
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    harness.apply_quick(p, args, mib=4, rounds=2, pushes=2, copies=2)
     _check_args(p, args)
     nbytes = args.mib << 20
     bound = args.max_seconds or (180 + (args.pushes + 6 * args.rounds + 10) * nbytes / 50e6)
@@ -559,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             rows, record, ok = run(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    harness.report("Checkpoint under pushes", rows, record)
+    harness.report("Checkpoint under pushes", rows, record, quick=args.quick)
     return 0 if ok else 1
 
 

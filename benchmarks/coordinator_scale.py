@@ -11,6 +11,7 @@ Times are microseconds of wall-clock time per call (time.perf_counter_ns).
 
     python benchmarks/coordinator_scale.py [--epochs 100] [--tasks-per-epoch 1000]
     python benchmarks/coordinator_scale.py --old ../paramserve-3c4d8f1    # another checkout's JobRunner
+    python benchmarks/coordinator_scale.py --quick    # 3 epochs of 20 tasks: does it run?
 
 No processes, no grpc: it measures the coordinator's job state alone.
 """
@@ -148,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress", action="store_true", help="print progress to stderr")
     p.add_argument("--bound", type=float, default=3600.0,
                    help="wall-clock bound in seconds (default 3600: the old runner is slow)")
+    harness.add_quick_flag(p)
     args = p.parse_args(argv)
+    harness.apply_quick(p, args, epochs=3, tasks_per_epoch=20, workers=4, window=20,
+                        snapshots=2)
     if min(args.epochs, args.tasks_per_epoch, args.workers, args.window, args.snapshots) < 1:
         p.error("--epochs, --tasks-per-epoch, --workers, --window and --snapshots must be >= 1")
     jobs, clock_type, spec_type = load_runner(args.old)
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if "tracked_tasks_at_end" in record:
         rows.append(("held at the end", f"{record['tracked_tasks_at_end']} tasks, "
                                         f"{record['tracked_workers_at_end']} workers"))
-    harness.report("coordinator scale", rows, record)
+    harness.report("coordinator scale", rows, record, quick=args.quick)
     return 0
 
 

@@ -1,17 +1,24 @@
 """Shared helpers of the benchmarks: real processes on 127.0.0.1, peak RSS, reporting.
 
 Every process a benchmark starts is a child started by `spawn`, which waits (bounded) for
-the line a daemon prints once it listens, and is ended by the `with` block that owns it:
+the line a daemon prints once it listens (or by `start`, for a ps-worker, which prints none),
+and is ended by the `with` block that owns it:
 SIGTERM, a bounded wait, then SIGKILL. Children run in their own session (a Ctrl-C reaches
 the benchmark only, which then stops them in order) and get SIGTERM if the benchmark
 process dies without cleaning up (Linux parent-death signal).
 
 Nothing here imports the servers' internals: a cluster is a coordinator and N ps-server
 processes started through their CLIs, exactly as an operator would start them.
+
+Also: CPU accounting per process and per thread from /proc (gRPC's C-core threads count
+too), py-spy sampling and the sorting of its stacks, the `--quick` flag every benchmark
+offers (a check that it still runs, never a measurement) and the one-JSON-line report.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import contextlib
 import ctypes
 import datetime
@@ -19,6 +26,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,12 +64,14 @@ def _die_with_parent() -> None:
 
 @dataclass
 class Process:
-    """A child process started by `spawn`. `address` is the HOST:PORT it printed."""
+    """A child process started by `start` or `spawn`. `address`: the HOST:PORT it printed
+    (`spawn` only)."""
 
     name: str
     popen: subprocess.Popen
     log_path: Path
     address: str = ""
+    _terminated: bool = field(default=False, repr=False)
 
     @property
     def pid(self) -> int:
@@ -93,11 +103,17 @@ class Process:
                                    f"\n{self.log_tail()}")
             time.sleep(0.02)
 
+    def terminate(self) -> None:
+        """Send SIGTERM once (a second one may cut a graceful stop short); no wait."""
+        if self.popen.poll() is None and not self._terminated:
+            self._terminated = True
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL. Returns the exit status."""
         if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -113,23 +129,33 @@ class Process:
         return rss_bytes(self.pid)
 
 
-def spawn(name: str, argv: Sequence[str], *, log_dir: Path,
-          timeout_s: float = STARTUP_TIMEOUT_S) -> Process:
-    """Start `argv` (a daemon that prints `... listening on HOST:PORT`) and wait for that line.
+def start(name: str, argv: Sequence[str], *, log_dir: Path,
+          env: dict[str, str] | None = None) -> Process:
+    """Start `argv` without waiting for anything (e.g. a ps-worker, which does not listen).
 
     stdout and stderr go to `log_dir/name.log` (a file, so a chatty child never blocks on a
-    full pipe). The caller must `stop()` the returned process (see `ProcessGroup`).
+    full pipe). `env` replaces the environment (default: this process's). The caller must
+    `stop()` the returned process (see `ProcessGroup`).
     """
     log_path = log_dir / f"{name}.log"
     log_file = open(log_path, "wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     try:
         popen = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
             cwd=REPO_ROOT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     finally:
         log_file.close()
-    process = Process(name, popen, log_path)
+    return Process(name, popen, log_path)
+
+
+def spawn(name: str, argv: Sequence[str], *, log_dir: Path,
+          timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None) -> Process:
+    """Start `argv` (a daemon that prints `... listening on HOST:PORT`) and wait for that line.
+
+    As `start`, then bounded by `timeout_s`; the process is stopped if it never listens.
+    """
+    process = start(name, argv, log_dir=log_dir, env=env)
     try:
         process.address = process.wait_for_log(_LISTENING, timeout_s).group(1)
     except BaseException:
@@ -139,22 +165,37 @@ def spawn(name: str, argv: Sequence[str], *, log_dir: Path,
 
 
 class ProcessGroup:
-    """Owns child processes; stops them in reverse start order on exit (any exit)."""
+    """Owns child processes; stops them in reverse start order on exit (any exit).
 
-    def __init__(self, log_dir: Path | None = None):
+    With `together=True` every process gets SIGTERM first and is then waited for (bounded),
+    so that N peers (workers) stop in the time of one rather than of N.
+    """
+
+    def __init__(self, log_dir: Path | None = None, *, together: bool = False):
         self._tmp = None
         if log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="paramserve-bench-")
             log_dir = Path(self._tmp.name)
         self.log_dir = log_dir
+        self.together = together
         self.processes: list[Process] = []
 
     def spawn(self, name: str, argv: Sequence[str], **kwargs) -> Process:
+        """`spawn` a daemon (waits for its `listening on` line)."""
         process = spawn(name, argv, log_dir=self.log_dir, **kwargs)
         self.processes.append(process)
         return process
 
+    def start(self, name: str, argv: Sequence[str], **kwargs) -> Process:
+        """`start` a process that prints nothing to wait for (e.g. a ps-worker)."""
+        process = start(name, argv, log_dir=self.log_dir, **kwargs)
+        self.processes.append(process)
+        return process
+
     def close(self) -> None:
+        if self.together:
+            for process in self.processes:
+                process.terminate()
         for process in reversed(self.processes):
             process.stop()
         self.processes.clear()
@@ -262,6 +303,200 @@ def mem_available_bytes() -> int:
     return 0
 
 
+# ---- CPU accounting (/proc) -----------------------------------------------------------
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# Thread names (/proc/PID/task/TID/comm, 15 characters at most) of gRPC's C-core threads.
+# Python threads keep the process's own name (Python < 3.14 names no OS thread), and so do
+# native threads that never name themselves (e.g. OpenBLAS's).
+GRPC_CORE_THREADS = ("event_engine", "grpc_global_tim", "lifeguard", "default-executo",
+                     "resolver-execut", "timer_manager", "grpc_")
+GRPC_THREADS_KIND = "gRPC C-core threads (event_engine, timer, lifeguard)"
+PYTHON_THREADS_KIND = "Python threads (and unnamed native ones)"
+ENDED_THREADS_KIND = "threads that ended meanwhile"
+
+
+def _stat_fields(path: str) -> tuple[str, list[str]]:
+    """(comm, the fields after it) of a /proc/.../stat file; the fields are numbered from 3
+    in proc(5), so utime (14) is fields[11] and stime (15) fields[12]."""
+    with open(path) as f:
+        text = f.read()
+    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds of a process so far: all its threads, ended ones included."""
+    _, fields = _stat_fields(f"/proc/{pid}/stat")
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _thread_cpu_seconds(task: str) -> tuple[str, float]:
+    """(name, CPU seconds) of one thread (/proc/PID/task/TID): from `schedstat` (nanoseconds
+    on the CPU) where the kernel has it, else from `stat` (whole clock ticks, each rounded
+    on its own: summed over dozens of mostly idle threads they can miss the process total
+    by a few percent)."""
+    with open(f"{task}/comm") as f:
+        name = f.read().rstrip("\n")
+    try:
+        with open(f"{task}/schedstat") as f:
+            return name, int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        _, fields = _stat_fields(f"{task}/stat")
+        return name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def cpu_snapshot(pid: int | str) -> dict:
+    """Process totals (user, system seconds; minor faults) and per-thread CPU with names."""
+    comm, fields = _stat_fields(f"/proc/{pid}/stat")
+    threads: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            threads[int(tid)] = _thread_cpu_seconds(f"/proc/{pid}/task/{tid}")
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return {"comm": comm, "user_s": int(fields[11]) / CLOCK_TICKS,
+            "sys_s": int(fields[12]) / CLOCK_TICKS, "minflt": int(fields[7]),
+            "threads": threads}
+
+
+def thread_kind(comm: str, process_comm: str) -> str:
+    """What a thread is, from its name: gRPC C-core, Python (the process's own name), or
+    another native thread that named itself (listed under its name)."""
+    if comm.startswith(GRPC_CORE_THREADS):
+        return GRPC_THREADS_KIND
+    if comm == process_comm:
+        return PYTHON_THREADS_KIND
+    return f"native thread {comm!r}"
+
+
+def cpu_delta(before: dict, after: dict, per: float) -> dict:
+    """CPU between two `cpu_snapshot`s of one process, per unit of work (`per` units, e.g.
+    steps or round trips): user and system ms, minor faults, and ms by kind of thread. CPU
+    of threads that ended between the snapshots is the process total less the live ones'."""
+    by_kind: collections.Counter = collections.Counter()
+    live = 0.0
+    for tid, (comm, cpu) in after["threads"].items():
+        spent = cpu - before["threads"].get(tid, (comm, 0.0))[1]
+        by_kind[thread_kind(comm, after["comm"])] += spent
+        live += spent
+    user = after["user_s"] - before["user_s"]
+    system = after["sys_s"] - before["sys_s"]
+    ended = user + system - live
+    # The process totals count whole clock ticks: within 2 ticks of the threads' sum is
+    # rounding, not threads that ended.
+    if ended > 2.0 / CLOCK_TICKS:
+        by_kind[ENDED_THREADS_KIND] += ended
+    scale = 1e3 / per
+    return {"user_ms": user * scale, "sys_ms": system * scale,
+            "cpu_ms": (user + system) * scale,
+            "minor_faults": (after["minflt"] - before["minflt"]) / per,
+            "by_thread_kind_ms": {k: v * scale for k, v in by_kind.most_common()}}
+
+
+# ---- py-spy ---------------------------------------------------------------------------
+
+# A sample whose innermost frames are one of these is a thread waiting, not working.
+PY_SPY_WAITING = ("epoll_wait", "pthread_cond_timedwait", "pthread_cond_wait", "sem_wait",
+                  "sem_timedwait", "PyThread_acquire_lock_timed", "lock_PyThread_acquire_lock",
+                  "poll (libc", "select (libc", "nanosleep", "accept", "recv (libc",
+                  "syscall (libc")
+
+# (category, needles) shared by the profiles. Each working sample goes to the category of
+# its innermost frame that matches a needle, so e.g. a protobuf parse called from gRPC's
+# code counts as a parse. A profile puts its own categories in front of these.
+PY_SPY_CATEGORIES = [
+    ("protobuf serialize (SerializeToString: a copy)",
+     ("upb_Encode", "PyUpb_Message_SerializeInternal", "serialize (grpc/_common.py")),
+    ("protobuf parse (FromString: a copy)",
+     ("upb_Decode", "PyUpb_Message_FromString", "PyUpb_Message_MergeFromString",
+      "deserialize (grpc/_common.py")),
+    ("protobuf build PullChunk/PushChunk(data=...) (a copy)",
+     ("PyUpb_Message_InitAttributes", "PyUpb_PyToUpb", "PyUpb_Message_New")),
+    ("protobuf chunk.data getattr (a copy)", ("PyUpb_Message_GetAttr",)),
+    ("protobuf message free", ("PyUpb_Message_Dealloc", "upb_Arena_Free")),
+    ("free arrays / buffers (munmap)", ("array_dealloc", "munmap", "bytes_dealloc")),
+    ("optimizer (sgd update)", ("apply_update", "optimizers.py")),
+    ("finiteness check (grad.sum(float64))", ("check_gradients", "_methods.py", "isfinite")),
+    ("copy: chunk -> destination (StreamAssembler.write)", ("StreamAssembler.write",)),
+    ("copy: array -> bytes (array_reader: tobytes)", ("array_reader.<locals>.read",)),
+    ("gRPC Python/Cython (send, receive, events)", ("cygrpc", "grpc/")),
+    ("other paramserve Python", ("ps_common/", "ps_server/", "ps_worker/")),
+]
+
+
+def py_spy_available() -> bool:
+    return shutil.which("py-spy") is not None
+
+
+def start_py_spy(pid: int, output: Path, rate: int) -> subprocess.Popen:
+    """py-spy sampling every thread of `pid`, native frames included, into `output` (raw,
+    "collapsed" stacks) until `stop_py_spy`. Needs `pip install py-spy`."""
+    return subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
+         "--native", "--threads", "--output", str(output), "--duration", "600"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def stop_py_spy(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def read_stacks(path: Path) -> list[tuple[list[str], int]]:
+    stacks = []
+    if not path.exists():
+        return stacks
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            stacks.append((stack.split(";"), int(count)))
+    return stacks
+
+
+def _innermost_python(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        if ".py:" in frame:
+            return frame
+    return frames[-1]
+
+
+def _category(stack: list[str], categories: Sequence[tuple[str, tuple[str, ...]]]) -> str:
+    for frame in reversed(stack):
+        for name, needles in categories:
+            if any(n in frame for n in needles):
+                return name
+    return "other"
+
+
+def classify(stacks: list[tuple[list[str], int]],
+             categories: Sequence[tuple[str, tuple[str, ...]]] = PY_SPY_CATEGORIES, *,
+             anywhere: Sequence[tuple[str, tuple[str, ...]]] = ()) -> dict:
+    """Working samples by category, and the innermost Python frames that take the most;
+    samples of waiting threads are counted apart and dropped. A sample with a frame
+    matching one of `anywhere` goes to that category whatever its inner frames are (e.g.
+    every NumPy call made by the model counts as the model), else to `categories`'s."""
+    working = idle = 0
+    by_category: collections.Counter = collections.Counter()
+    frames: collections.Counter = collections.Counter()
+    for stack, count in stacks:
+        if any(w in ";".join(stack[-3:]) for w in PY_SPY_WAITING):
+            idle += count
+            continue
+        working += count
+        outer = next((name for name, needles in anywhere
+                      if any(n in frame for frame in stack for n in needles)), None)
+        by_category[outer or _category(stack, categories)] += count
+        frames[f"{_innermost_python(stack)} -> {stack[-1]}"] += count
+    return {"working_samples": working, "idle_samples": idle,
+            "categories": dict(by_category.most_common()),
+            "top_frames": dict(frames.most_common(12))}
+
+
 # ---- time bounds ----------------------------------------------------------------------
 
 class BenchmarkTimeout(Exception):
@@ -308,6 +543,24 @@ def run_main(main) -> None:
     sys.exit(code)
 
 
+# ---- --quick --------------------------------------------------------------------------
+
+QUICK_HELP = ("catch breakage, not a measurement: tiny sizes and durations (a few seconds) "
+              "through every step and check of the run; flags given explicitly still win")
+
+
+def add_quick_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
+
+
+def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, **small) -> None:
+    """With `--quick`, set each of `small` (dest=value) that is still at its default."""
+    if getattr(args, "quick", False):
+        for dest, value in small.items():
+            if getattr(args, dest) == parser.get_default(dest):
+                setattr(args, dest, value)
+
+
 # ---- reporting ------------------------------------------------------------------------
 
 def git_commit() -> str:
@@ -349,8 +602,14 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
-def report(title: str, rows: Sequence[tuple[str, str]], record: dict) -> None:
-    """Print `rows` as an aligned two-column table, then `record` as one JSON line."""
+def report(title: str, rows: Sequence[tuple[str, str]], record: dict, *,
+           quick: bool = False) -> None:
+    """Print `rows` as an aligned two-column table, then `record` as one JSON line.
+    `quick`: a `--quick` run, said in the table and in the record ("quick": true)."""
+    if quick:
+        rows = [("--quick", "a check that every step runs: tiny sizes and durations, the "
+                            "figures mean nothing"), *rows]
+        record = {**record, "quick": True}
     width = max((len(label) for label, _ in rows), default=0)
     lines = [f"== {title}", *(f"  {label.ljust(width)}  {value}" for label, value in rows),
              json.dumps({"benchmark": title, **record, **context()}, separators=(",", ":"))]

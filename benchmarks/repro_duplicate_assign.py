@@ -12,6 +12,7 @@ pushes to the small one right away, waits, and pulls it again. Exit status 1 whe
 was lost; the server's "created N shard(s)" log lines are printed either way.
 
     python benchmarks/repro_duplicate_assign.py            # ~20 s, needs ~5 GiB free
+    python benchmarks/repro_duplicate_assign.py --quick    # 4 MiB: runs, cannot show the race
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=536_870_912, help="float32 elements of the big "
                    "variable (default 2 GiB); the race needs its init to outlast a heartbeat")
     p.add_argument("--wait", type=float, default=8.0, help="seconds before the second pull")
+    harness.add_quick_flag(p)
     args = p.parse_args(argv)
+    harness.apply_quick(p, args, size=1 << 20, wait=0.5)
     if 3 * 4 * args.size + 2**30 > harness.mem_available_bytes():
         p.error(f"--size {args.size:,} needs about {harness.mib(12 * args.size)} free")
     with harness.bounded(180 + 4 * args.size / 50e6, "repro_duplicate_assign"), \
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             *((f"server log {i}", line) for i, line in enumerate(created))]
     harness.report("duplicate assign repro", rows, {
         "size": args.size, "declare_s": declared, "right_after": right_after, "later": later,
-        "lost": lost, "creations": len(created)})
+        "lost": lost, "creations": len(created)}, quick=args.quick)
     return 1 if lost else 0
 
 

@@ -1,33 +1,50 @@
-"""W1 dense-mlp (../shared/BENCHMARKS.md): MLP 784-512-512-10 (669,706 params), batch 128,
+"""W1 dense-mlp: MLP 784-512-512-10 (669,706 params), batch 128,
 softmax cross-entropy, SGD lr 0.01 on the servers; 2 servers, 2 workers, async. A step =
 pull all params, forward + backward, push all grads. Figure: total steps/s over 20 s after a
 3 s warm-up, beside the compute-only baseline: the same MLP steps in one process with no
 server (NumPy applying SGD in place), measured in the same run.
 
     python benchmarks/w1_dense_mlp.py [--seconds 20] [--warmup 3] [--workers 2] [--servers 2]
+    python benchmarks/w1_dense_mlp.py --quick      # a few seconds: does it still run?
 
 Workers are real `ps-worker` processes running the real training runtime on a job given to
-the coordinator (data: seeded random 784-feature examples in an .npz, 10 classes).
+the coordinator (data: seeded random 784-feature examples in an .npz, 10 classes), each
+with a worker's share of the cores for BLAS (`ps_worker.cluster.worker_environment`: the
+cores split evenly, at least 1 thread each), as `ps-cluster` starts them.
+
+This module also holds the W1 machinery that w5_scale.py and profile_w1.py reuse:
+`w1_cluster` (coordinator with the W1 job, servers, workers), `wait_all_stepping`,
+`sample` / `measure_window` (steps from the coordinator's status and the CPU of every
+process of the cluster, from /proc) and `compute_only` (the in-run baseline).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from harness import REPO_ROOT, bounded, cluster, context, report
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 from ps_worker.cluster import worker_environment
 
 HIDDEN = (512, 512)
 FEATURES, CLASSES, BATCH, LR = 784, 10, 128, 0.01
 EXAMPLES = 128 * 100
+PARAMS = sum(a * b + b for a, b in zip((FEATURES, *HIDDEN), (*HIDDEN, CLASSES), strict=True))
+TASKS_PER_EPOCH = 50  # 2 steps a task: the coordinator's step count is fine-grained
+STEPPING_TIMEOUT_S = 120.0  # every worker's first task, however many start at once
 
 
 def make_data(path: Path, seed: int = 0) -> None:
@@ -37,18 +54,32 @@ def make_data(path: Path, seed: int = 0) -> None:
     np.savez(path, x=x, y=y)
 
 
-def compute_only_in_subprocess(seconds: float, workers: int) -> float:
+def model_text() -> str:
+    return (f"MLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES} ({PARAMS:,} params), "
+            f"batch {BATCH}, sgd lr {LR}")
+
+
+# ---- the compute-only baseline -----------------------------------------------------------
+
+def blas_threads(workers: int) -> int:
+    """BLAS threads of each of `workers` workers (and of the compute-only baseline for them)."""
+    return int(worker_environment(workers)["OPENBLAS_NUM_THREADS"])
+
+
+def compute_only(seconds: float, workers: int) -> dict:
     """The compute-only rate of one process given a worker's share of the cores (the same
-    BLAS thread count ps-cluster gives each worker): the ceiling for one worker."""
+    BLAS thread count ps-cluster gives each of `workers` workers): the ceiling for one
+    worker. {"steps_per_s", "cpu_ms_per_step", "steps", "blas_threads"}."""
     out = subprocess.run(
-        [sys.executable, __file__, "--compute-only", str(seconds)], cwd=REPO_ROOT,
+        [sys.executable, __file__, "--compute-only", str(seconds)], cwd=harness.REPO_ROOT,
         env=worker_environment(workers), capture_output=True, text=True, timeout=seconds + 120,
         check=True).stdout
-    return float(out.split()[-1])
+    return {**json.loads(out.splitlines()[-1]), "blas_threads": blas_threads(workers)}
 
 
-def compute_only_steps_per_s(seconds: float) -> float:
-    """The same MLP steps in this process, no server."""
+def compute_only_steps(seconds: float) -> dict:
+    """The same MLP steps in this process, no server: steps/s and CPU ms per step (all of
+    this process's threads)."""
     from ps_worker.data import iter_batches, load_dataset
     from ps_worker.models import MLP, initial_values
 
@@ -58,7 +89,7 @@ def compute_only_steps_per_s(seconds: float) -> float:
     model = MLP(FEATURES, CLASSES, hidden=HIDDEN)
     params = initial_values(model.variables(), seed=0)
     batches = list(iter_batches(data, np.arange(data.num_train), BATCH))
-    steps, started = 0, time.perf_counter()
+    steps, started, cpu0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - started < seconds:
         x, y = batches[steps % len(batches)]
         _, grads = model.loss_and_grads(params, (x, y))
@@ -66,7 +97,62 @@ def compute_only_steps_per_s(seconds: float) -> float:
             grad *= LR
             params[name] -= grad
         steps += 1
-    return steps / (time.perf_counter() - started)
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+    return {"steps_per_s": steps / elapsed, "cpu_ms_per_step": 1e3 * cpu / steps,
+            "steps": steps}
+
+
+# ---- the cluster -------------------------------------------------------------------------
+
+@dataclass
+class W1Cluster:
+    """A coordinator running the W1 job, its servers and its ps-worker processes."""
+
+    cluster: harness.Cluster
+    workers: list[harness.Process]
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    @property
+    def processes(self) -> list[harness.Process]:
+        """Every process of the cluster: coordinator, servers, workers (in that order)."""
+        return [self.cluster.coordinator, *self.cluster.servers, *self.workers]
+
+    @property
+    def roles(self) -> dict[str, list[str]]:
+        """Process names by role: {"coordinator": [...], "servers": [...], "workers": [...]}."""
+        return {"coordinator": [self.cluster.coordinator.name],
+                "servers": [s.name for s in self.cluster.servers],
+                "workers": [w.name for w in self.workers]}
+
+    def check_alive(self) -> None:
+        for process in self.processes:
+            if process.popen.poll() is not None:
+                raise RuntimeError(f"{process.name} exited with status "
+                                   f"{process.popen.returncode}:\n{process.log_tail()}")
+
+
+@contextlib.contextmanager
+def w1_cluster(servers: int, workers: int) -> Iterator[W1Cluster]:
+    """The W1 job on a coordinator, `servers` servers and `workers` workers (ids w0, w1, ...)
+    each with `blas_threads(workers)` BLAS threads. Stops them all on exit (workers first)."""
+    py = sys.executable
+    with tempfile.TemporaryDirectory(prefix="paramserve-w1-") as tmp:
+        data = Path(tmp) / "w1.npz"
+        make_data(data)
+        job = ["--model", "mlp", "--hidden", ",".join(map(str, HIDDEN)), "--data", str(data),
+               "--batch-size", str(BATCH), "--optimizer", "sgd", "--lr", str(LR),
+               "--epochs", "1000", "--tasks-per-epoch", str(TASKS_PER_EPOCH)]
+        with harness.cluster(servers, coordinator_args=job) as c, \
+                harness.ProcessGroup(together=True) as group:
+            env = worker_environment(workers)
+            started = [group.start(f"w{i}", [
+                py, "-m", "ps_worker.cli", "--coordinator", c.address, "--worker-id", f"w{i}",
+                "--device", "cpu", "--log-level", "warning"], env=env)
+                for i in range(workers)]
+            yield W1Cluster(c, started)
 
 
 def status(address: str) -> dict:
@@ -76,82 +162,125 @@ def status(address: str) -> dict:
         return client.status()
 
 
-def cluster_steps_per_s(args) -> tuple[float, dict]:
-    py = sys.executable
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "w1.npz"
-        make_data(data)
-        job = ["--model", "mlp", "--hidden", ",".join(map(str, HIDDEN)), "--data", str(data),
-               "--batch-size", str(BATCH), "--optimizer", "sgd", "--lr", str(LR),
-               "--epochs", "1000", "--tasks-per-epoch", "50"]  # 2 steps a task: fine counts
-        with cluster(args.servers, coordinator_args=job) as c:
-            workers = [subprocess.Popen(
-                [py, "-m", "ps_worker.cli", "--coordinator", c.address, "--worker-id", f"w{i}",
-                 "--device", "cpu", "--log-level", "warning"],
-                cwd=REPO_ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
-                env=worker_environment(args.workers))
-                for i in range(args.workers)]
-            try:
-                return _measure(c, args)
-            finally:
-                for worker in workers:
-                    worker.terminate()
-                for worker in workers:
-                    try:
-                        worker.wait(10)
-                    except subprocess.TimeoutExpired:
-                        worker.kill()
-                        worker.wait(5)
-
-
-def _measure(c, args) -> tuple[float, dict]:
-    deadline = time.monotonic() + 60
-    while status(c.address)["job"]["steps"] == 0:
+def wait_all_stepping(w1c: W1Cluster, timeout_s: float = STEPPING_TIMEOUT_S) -> None:
+    """Block (bounded) until every worker has completed a train task."""
+    wanted = {w.name for w in w1c.workers}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = status(w1c.address)
+        if s["job"]["state"] not in ("running", "done"):
+            raise RuntimeError(f"the job is {s['job']['state']}: {s['job']['failure']}")
+        stepping = {w["id"] for w in s["workers"] if w["steps"] > 0}
+        if wanted <= stepping:
+            return
+        w1c.check_alive()
         if time.monotonic() > deadline:
-            raise RuntimeError("no step was completed within 60 s")
+            raise RuntimeError(f"workers {sorted(wanted - stepping)} completed no step within "
+                               f"{timeout_s:g} s")
         time.sleep(0.2)
-    time.sleep(args.warmup)
-    s0, t0 = status(c.address)["job"]["steps"], time.monotonic()
-    time.sleep(args.seconds)
-    final = status(c.address)
-    s1, t1 = final["job"]["steps"], time.monotonic()
-    rss = {s.name: s.peak_rss_bytes() for s in c.servers}
-    return (s1 - s0) / (t1 - t0), {"server_peak_rss_bytes": rss, "steps": s1 - s0}
 
 
-def main() -> int:
+def sample(w1c: W1Cluster, *, threads: bool = False) -> dict:
+    """Steps so far (the job's and each worker's, from the coordinator's status) and the CPU
+    of every process of the cluster (`harness.cpu_snapshot`s if `threads`, else seconds)."""
+    s = status(w1c.address)
+    t = time.monotonic()
+    cpu = {p.name: (harness.cpu_snapshot(p.pid) if threads else harness.cpu_seconds(p.pid))
+           for p in w1c.processes}
+    return {"t": t, "job_state": s["job"]["state"], "steps": s["job"]["steps"],
+            "worker_steps": {w["id"]: w["steps"] for w in s["workers"]}, "cpu": cpu}
+
+
+def measure_window(w1c: W1Cluster, warmup: float, seconds: float, *,
+                   threads: bool = False) -> tuple[dict, dict]:
+    """`sample`s at the start and the end of `seconds`, after `warmup` seconds. Raises if the
+    job stopped running or no step completed in the window."""
+    time.sleep(warmup)
+    first = sample(w1c, threads=threads)
+    time.sleep(seconds)
+    last = sample(w1c, threads=threads)
+    w1c.check_alive()
+    if last["job_state"] != "running":
+        raise RuntimeError(f"the job is {last['job_state']}, not running, at the end of the "
+                           "measured window")
+    if last["steps"] <= first["steps"]:
+        raise RuntimeError(f"no step completed in the {seconds:g} s measured")
+    return first, last
+
+
+def rates(first: dict, last: dict, workers: int) -> dict:
+    """Steps/s over a window: the job's, the mean per worker, and each worker's."""
+    elapsed = last["t"] - first["t"]
+    steps = last["steps"] - first["steps"]
+    each = {w: (n - first["worker_steps"].get(w, 0)) / elapsed
+            for w, n in sorted(last["worker_steps"].items())}
+    return {"steps": steps, "elapsed_s": elapsed, "steps_per_s": steps / elapsed,
+            "per_worker_steps_per_s": steps / elapsed / workers,
+            "worker_steps_per_s": each}
+
+
+def cpu_ms_per_step(first: dict, last: dict) -> dict:
+    """CPU ms per step of each process (from `sample`s taken without threads) and in all."""
+    steps = last["steps"] - first["steps"]
+    each = {name: 1e3 * (last["cpu"][name] - first["cpu"][name]) / steps
+            for name in last["cpu"]}
+    return {"total": sum(each.values()), "processes": each}
+
+
+# ---- W1 ------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--compute-only", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    harness.add_quick_flag(parser)
+    args = parser.parse_args(argv)
     if args.compute_only:
-        print(compute_only_steps_per_s(args.compute_only))
+        print(json.dumps(compute_only_steps(args.compute_only)))
         return 0
-    with bounded(args.seconds * 2 + args.warmup + 240, "W1"):
-        baseline = compute_only_in_subprocess(min(args.seconds, 10.0), args.workers)
-        rate, extra = cluster_steps_per_s(args)
-    per_worker = rate / args.workers
-    lost = 1.0 - per_worker / baseline
-    params = sum(a * b + b for a, b in zip((FEATURES, *HIDDEN), (*HIDDEN, CLASSES)))
-    report("W1 dense-mlp", [
-        ("model", f"MLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES} ({params:,} params), "
-                  f"batch {BATCH}, sgd lr {LR}"),
+    harness.apply_quick(parser, args, seconds=1.0, warmup=0.5)
+    if args.seconds <= 0 or args.warmup < 0 or args.workers < 1 or args.servers < 1:
+        parser.error("--seconds must be > 0, --warmup >= 0, --workers and --servers >= 1")
+    with harness.bounded(args.seconds * 2 + args.warmup + 240, "W1"):
+        baseline = compute_only(min(args.seconds, 10.0), args.workers)
+        with w1_cluster(args.servers, args.workers) as w1c:
+            wait_all_stepping(w1c)
+            first, last = measure_window(w1c, args.warmup, args.seconds)
+            rss = {s.name: s.peak_rss_bytes() for s in w1c.cluster.servers}
+    measured = rates(first, last, args.workers)
+    cpu = cpu_ms_per_step(first, last)
+    rate, per_worker = measured["steps_per_s"], measured["per_worker_steps_per_s"]
+    base = baseline["steps_per_s"]
+    lost = 1.0 - per_worker / base
+    report_rows = [
+        ("model", model_text()),
         ("cluster", f"{args.servers} servers, {args.workers} workers, async"),
         ("paramserve", f"{rate:.1f} steps/s total, {per_worker:.1f} per worker "
-                       f"({extra['steps']} steps in {args.seconds:g} s)"),
-        ("compute only", f"{baseline:.1f} steps/s (same steps, one process with a worker's "
-                         f"share of the cores, no server)"),
-        ("ratio", f"{per_worker / baseline:.2f}: {lost:.0%} of each worker step lost to the "
+                       f"({measured['steps']} steps in {measured['elapsed_s']:.1f} s)"),
+        ("compute only", f"{base:.1f} steps/s (same steps, one process with a worker's "
+                         f"share of the cores, {baseline['blas_threads']} BLAS thread(s), "
+                         "no server)"),
+        ("ratio", f"{per_worker / base:.2f}: {lost:.0%} of each worker step lost to the "
                   f"parameter server ({args.servers} servers and {args.workers} workers share "
                   f"{os.cpu_count()} cores)"),
-    ], {"benchmark": "W1 dense-mlp", "steps_per_s": rate, "per_worker_steps_per_s": per_worker,
-        "compute_only_steps_per_s": baseline, "per_worker_ratio": per_worker / baseline,
-        "total_ratio": rate / baseline, **extra, **context()})
+        ("CPU per step", f"{cpu['total']:.1f} ms over every process of the cluster, beside "
+                         f"{baseline['cpu_ms_per_step']:.1f} ms compute only "
+                         f"({cpu['total'] / baseline['cpu_ms_per_step']:.2f}x)"),
+    ]
+    harness.report("W1 dense-mlp", report_rows, {
+        "steps_per_s": rate, "per_worker_steps_per_s": per_worker,
+        "worker_steps_per_s": measured["worker_steps_per_s"],
+        "compute_only_steps_per_s": base, "per_worker_ratio": per_worker / base,
+        "total_ratio": rate / base, "cpu_ms_per_step": cpu["total"],
+        "cpu_ms_per_step_by_process": cpu["processes"],
+        "compute_only_cpu_ms_per_step": baseline["cpu_ms_per_step"],
+        "blas_threads": baseline["blas_threads"], "server_peak_rss_bytes": rss,
+        "steps": measured["steps"], "elapsed_s": measured["elapsed_s"]}, quick=args.quick)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.run_main(main)

@@ -13,6 +13,7 @@ constant gradient 0.25, so every value must read 1.0 then 0.75), timing each; ma
 
     python benchmarks/w2_big_dense.py                          # 10 s, 64 MiB
     python benchmarks/w2_big_dense.py --once --size 805306368  # the 3 GiB proof
+    python benchmarks/w2_big_dense.py --quick [--once]         # 1 MiB, briefly: does it run?
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the bare-grpc baseline")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="hard bound on the whole run (default: generous, from --size/--seconds)")
+    harness.add_quick_flag(p)
     return p
 
 
@@ -197,6 +199,8 @@ def run_timed(client: PSClient, bare: bare_grpc.BareClient | None, size: int, lr
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    # 1 MiB, chunks of 256 KiB (4 a transfer), 2 slices of a few round trips each.
+    harness.apply_quick(p, args, size=262_144, chunk_bytes=256 * 1024, seconds=0.2, slices=2)
     _check_args(p, args)
     nbytes = 4 * args.size
     # Generous: startup, then each full-size transfer at >= 50 MB/s, plus the loops.
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                   ("" if args.once or args.no_baseline else " (with the baseline client's buffer)"))]
         if "baseline_server_peak_rss_bytes" in record:
             rows.append(("bare server peak RSS", harness.mib(record["baseline_server_peak_rss_bytes"])))
-        harness.report("W2 big-dense" + (" once" if args.once else ""), rows, record)
+        harness.report("W2 big-dense" + (" once" if args.once else ""), rows, record,
+                       quick=args.quick)
     ok = result["ok"] if args.once else result["values_ok"]
     return 0 if ok else 1
 

@@ -7,6 +7,7 @@ warm-up, and the series alternate in blocks so that all see the same machine loa
 Latencies are in microseconds.
 
     python benchmarks/w4_latency.py
+    python benchmarks/w4_latency.py --quick    # 50 calls a series: does it run?
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=500, help="untimed calls first (default 500)")
     p.add_argument("--blocks", type=int, default=10,
                    help="the series alternate in this many blocks of calls (default 10)")
+    harness.add_quick_flag(p)
     args = p.parse_args(argv)
+    harness.apply_quick(p, args, calls=50, warmup=10, blocks=2)
     if args.calls < 1 or args.warmup < 0 or not 1 <= args.blocks <= args.calls:
         p.error("--calls must be >= 1, --warmup >= 0 and --blocks in 1..calls")
     nbytes = 4 * ELEMENTS
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             ("bare unary-stream", line(record["bare_unary_stream"])),
             ("ratio to bare unary", f"p50 {record['ratio_p50']:.2f}x  p99 {record['ratio_p99']:.2f}x"),
             ("ratio to bare stream", f"p50 {record['paramserve']['p50_us'] / record['bare_unary_stream']['p50_us']:.2f}x")]
-    harness.report("W4 latency", rows, record)
+    harness.report("W4 latency", rows, record, quick=args.quick)
     return 0
 
 

@@ -5,6 +5,7 @@ slow server, against in-process clusters on OS-chosen ports."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -209,6 +210,7 @@ def test_a_slow_server_does_not_hold_up_declarations_of_known_variables(make_clu
     with PSClient(cluster.coordinator_address) as ps:
         declare(ps, ["a", "b"])
         stalled = threading.Event()
+        assigned = cluster.faults.calls.get("AssignShards", 0)
         cluster.faults.hold_next("AssignShards", stalled)
         new_declared = threading.Event()
 
@@ -220,6 +222,12 @@ def test_a_slow_server_does_not_hold_up_declarations_of_known_variables(make_clu
         slow = threading.Thread(target=declare_new, name="declare-new")
         slow.start()
         try:
+            # The new declaration is parked on the held assignment (the coordinator would
+            # hold its declare lock now, if it still had one).
+            deadline = time.monotonic() + WAIT_S
+            while cluster.faults.calls.get("AssignShards", 0) == assigned:
+                assert time.monotonic() < deadline, "the new declaration never reached a server"
+                time.sleep(0.01)
             with PSClient(cluster.coordinator_address) as starting:
                 declare(starting, ["a", "b"])  # a worker starting up: known variables
                 assert not new_declared.is_set()  # the other declaration still waits
