@@ -553,6 +553,23 @@ def add_quick_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
 
 
+def add_path_flag(parser: argparse.ArgumentParser) -> None:
+    """--no-shm: measure the gRPC path (as for workers on another host): servers started
+    with --no-shm, clients with shared_memory=False. Default: shared memory, which every
+    client of these benchmarks can use (they run on the servers' host)."""
+    parser.add_argument("--no-shm", action="store_true",
+                        help="measure the gRPC path (servers and clients with --no-shm), as "
+                        "for workers on another host; default: the shared-memory path")
+
+
+def path_name(args: argparse.Namespace) -> str:
+    return "grpc" if args.no_shm else "shm"
+
+
+def no_shm_args(args: argparse.Namespace) -> list[str]:
+    return ["--no-shm"] if args.no_shm else []
+
+
 def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, **small) -> None:
     """With `--quick`, set each of `small` (dest=value) that is still at its default."""
     if getattr(args, "quick", False):

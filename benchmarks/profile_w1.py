@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=100,
                    help="py-spy samples per second per process (default 100)")
     p.add_argument("--no-py-spy", action="store_true", help="only the /proc CPU accounting")
+    harness.add_path_flag(p)
     harness.add_quick_flag(p)
     args = p.parse_args(argv)
     harness.apply_quick(p, args, seconds=1.0, warmup=0.3)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     with harness.bounded(2 * (args.seconds + args.warmup) + w1.STEPPING_TIMEOUT_S + 300,
                          "profile_w1"):
         baseline = w1.compute_only(min(args.seconds, 5.0), args.workers)
-        with w1.w1_cluster(args.servers, args.workers) as w1c:
+        with w1.w1_cluster(args.servers, args.workers, not args.no_shm) as w1c:
             w1.wait_all_stepping(w1c)
             # The CPU figures come from a window nobody samples; py-spy gets one of its own.
             first, last = w1.measure_window(w1c, args.warmup, args.seconds, threads=True)
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             for frame, count in record["processes"][name]["py_spy"]["top_frames"].items():
                 print(f"  {count:6d}  {frame}")
         print(f"raw stacks: {', '.join(str(f) for f in files.values())}")
+    record["path"] = harness.path_name(args)
+    rows.insert(0, ("path", harness.path_name(args)))
     harness.report("W1 profile", rows, record, quick=args.quick)
     return 0
 

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the bare-grpc baseline")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="hard bound on the whole run (default: generous, from --size/--seconds)")
+    harness.add_path_flag(p)
     harness.add_quick_flag(p)
     return p
 
@@ -206,13 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     # Generous: startup, then each full-size transfer at >= 50 MB/s, plus the loops.
     bound = args.max_seconds or (120 + 4 * nbytes / 50e6
                                  + (0 if args.once else 2 * args.seconds + 60))
-    server_args = ["--chunk-bytes", str(args.chunk_bytes)]
+    server_args = ["--chunk-bytes", str(args.chunk_bytes), *harness.no_shm_args(args)]
     with harness.bounded(bound, "w2_big_dense"), \
             harness.cluster(1, server_args=server_args, log_level="warning") as c, \
             harness.ProcessGroup() as group:
         server = c.servers[0]
         idle_rss = server.rss_bytes()
-        with PSClient(c.address, chunk_bytes=args.chunk_bytes) as client:
+        with PSClient(c.address, chunk_bytes=args.chunk_bytes,
+                      shared_memory=not args.no_shm) as client:
             if args.once:
                 result = run_once(client, args.size)
                 timed = {"paramserve": result, "client_peak_rss_bytes": harness.peak_rss_bytes()}
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                   ("" if args.once or args.no_baseline else " (with the baseline client's buffer)"))]
         if "baseline_server_peak_rss_bytes" in record:
             rows.append(("bare server peak RSS", harness.mib(record["baseline_server_peak_rss_bytes"])))
+        record["path"] = harness.path_name(args)
+        rows.insert(0, ("path", harness.path_name(args)))
         harness.report("W2 big-dense" + (" once" if args.once else ""), rows, record,
                        quick=args.quick)
     ok = result["ok"] if args.once else result["values_ok"]

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=500, help="untimed calls first (default 500)")
     p.add_argument("--blocks", type=int, default=10,
                    help="the series alternate in this many blocks of calls (default 10)")
+    harness.add_path_flag(p)
     harness.add_quick_flag(p)
     args = p.parse_args(argv)
     harness.apply_quick(p, args, calls=50, warmup=10, blocks=2)
@@ -71,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     # Bounded: startup plus three series at <= 10 ms per call.
     bound = 120 + 3 * (args.calls + args.warmup) * 0.01
     with harness.bounded(bound, "w4_latency"), \
-            harness.cluster(1, log_level="warning") as c, harness.ProcessGroup() as group:
+            harness.cluster(1, log_level="warning", server_args=harness.no_shm_args(args)) as c, \
+            harness.ProcessGroup() as group:
         bare_server = bare_grpc.start_server(group)
-        with PSClient(c.address) as client, bare_grpc.BareClient(bare_server.address) as bare:
+        with PSClient(c.address, shared_memory=not args.no_shm) as client, \
+                bare_grpc.BareClient(bare_server.address) as bare:
             client.declare(NAME, (ELEMENTS,), "float32", init="normal", seed=4)
             expected = client.pull(NAME)
             payload = bytes(nbytes)
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             ("bare unary-stream", line(record["bare_unary_stream"])),
             ("ratio to bare unary", f"p50 {record['ratio_p50']:.2f}x  p99 {record['ratio_p99']:.2f}x"),
             ("ratio to bare stream", f"p50 {record['paramserve']['p50_us'] / record['bare_unary_stream']['p50_us']:.2f}x")]
+    record["path"] = harness.path_name(args)
+    rows.insert(0, ("path", harness.path_name(args)))
     harness.report("W4 latency", rows, record, quick=args.quick)
     return 0
 

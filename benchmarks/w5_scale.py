@@ -43,9 +43,10 @@ def counts(text: str) -> list[int]:
     return values
 
 
-def run_config(servers: int, workers: int, warmup: float, seconds: float) -> dict:
+def run_config(servers: int, workers: int, warmup: float, seconds: float,
+               shared_memory: bool = True) -> dict:
     """One configuration on a fresh cluster: rates, CPU per step by process and role."""
-    with w1.w1_cluster(servers, workers) as w1c:
+    with w1.w1_cluster(servers, workers, shared_memory) as w1c:
         w1.wait_all_stepping(w1c)
         first, last = w1.measure_window(w1c, warmup, seconds)
         server_rss = max(s.peak_rss_bytes() for s in w1c.cluster.servers)
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds after every worker's first task, before measuring (default 3)")
     p.add_argument("--compute-seconds", type=float, default=None,
                    help="length of each compute-only baseline (default: --seconds, at most 10)")
+    harness.add_path_flag(p)
     harness.add_quick_flag(p)
     args = p.parse_args(argv)
     harness.apply_quick(p, args, workers=[1, 2], servers=[1, 2], seconds=1.0, warmup=0.3)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                      for threads, workers in sorted(by_threads.items())}
         results = []
         for servers, workers in configs:
-            result = run_config(servers, workers, args.warmup, args.seconds)
+            result = run_config(servers, workers, args.warmup, args.seconds, not args.no_shm)
             base = baselines[result["blas_threads"]]
             result["compute_only_steps_per_s"] = base["steps_per_s"]
             result["ratio"] = result["steps_per_s"] / base["steps_per_s"]
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                      f" | {r['cpu_ms_per_step']:5.1f} ({role['coordinator']:.1f} + "
                      f"{role['servers']:.1f} + {role['workers']:.1f}) | {r['cores_busy']:.2f} | "
                      f"{r['ratio']:.2f} | {r['per_worker_ratio']:.2f} | {r['steps']}"))
-    harness.report("W5 scale (W1)", rows, {
+    rows.insert(0, ("path", harness.path_name(args)))
+    harness.report("W5 scale (W1)", rows, {"path": harness.path_name(args),
         "seconds": args.seconds, "warmup": args.warmup,
         "compute_only": {str(k): v for k, v in sorted(baselines.items())},
         "configs": results}, quick=args.quick)
