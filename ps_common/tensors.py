@@ -112,6 +112,24 @@ def from_wire(raw: np.ndarray, wire_dtype: str) -> np.ndarray:
     return raw
 
 
+# Finiteness is checked a block at a time, so that no full-size temporary is ever made.
+FINITE_BLOCK_ELEMENTS = 1 << 20
+
+
+def all_finite(values: np.ndarray, after_block=None) -> bool:
+    """Whether every element is finite (no NaN, no +-Inf). A block's max and min are finite
+    exactly when all of its elements are (NaN propagates through both): two passes at memory
+    speed, no temporary. `after_block(block)` is called with each block once it was read."""
+    flat = values.reshape(-1)
+    for start in range(0, flat.size, FINITE_BLOCK_ELEMENTS):
+        block = flat[start:start + FINITE_BLOCK_ELEMENTS]
+        if not (np.isfinite(block.max()) and np.isfinite(block.min())):
+            return False
+        if after_block is not None:
+            after_block(block)
+    return True
+
+
 def view_bytes(buffer, meta: TensorMeta) -> np.ndarray:
     """The tensor in `buffer` (raw bytes of `meta`), decoded, as a view when no conversion."""
     raw = np.frombuffer(buffer, dtype=_WIRE[meta.dtype][1]).reshape(meta.shape)
@@ -267,12 +285,15 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
 
 
 def encode_chunk(header: bytes | None, data) -> bytes:
-    """A serialized chunk message: `header` (serialized header message) and raw `data`."""
+    """A serialized chunk message: `header` (serialized header message) and raw `data`, a
+    bytes-like object or a list of them (concatenated: one copy of each into the message)."""
+    pieces = data if isinstance(data, list) else [data]
+    size = sum(memoryview(piece).nbytes for piece in pieces)
     parts = []
     if header is not None:
         parts += [_HEADER_TAG, _varint(len(header)), header]
-    if len(data):
-        parts += [_DATA_TAG, _varint(len(data)), data]
+    if size:
+        parts += [_DATA_TAG, _varint(size), *pieces]
     return b"".join(parts)
 
 

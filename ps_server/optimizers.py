@@ -104,7 +104,8 @@ def apply_update(
     spec: VariableSpec, knobs: dict[str, float], values: np.ndarray,
     state: ShardOptimizerState, grad: np.ndarray, after_block=None,
 ) -> None:
-    """Apply one gradient to `values` in place. `grad` must be writable: it is clobbered.
+    """Apply one gradient to `values` in place. A writable `grad` is clobbered (used as
+    scratch); a read-only one (a view of a received message) is copied a block at a time.
     `after_block(block)` is called with each block of `grad` once it has been used."""
     state.steps += 1
     w = values.reshape(-1)
@@ -113,6 +114,9 @@ def apply_update(
     dtype = compute_dtype(spec.dtype)
     widen = dtype != w.dtype
     scratch = np.empty(min(BLOCK_ELEMENTS, w.size), dtype=dtype)
+    # Block-sized: the copy stays in cache, unlike a copy of the whole gradient.
+    grad_block = (None if g.flags.writeable or widen
+                  else np.empty(min(BLOCK_ELEMENTS, w.size), dtype=dtype))
     kind = spec.optimizer.name
     step = _STEPS[kind]
     constants = _constants(kind, knobs, state.steps)
@@ -122,6 +126,9 @@ def apply_update(
         wb, gb, sb = w[start:stop], g[start:stop], scratch[:stop - start]
         if widen:  # block-sized float32 copies, written back below
             wb, gb = wb.astype(dtype), gb.astype(dtype)
+        elif grad_block is not None:
+            gb = grad_block[:stop - start]
+            np.copyto(gb, g[start:stop])
         if wd:
             np.multiply(wb, wd, out=sb)
             gb += sb

@@ -65,6 +65,15 @@ class PushReceiver:
             for buffer in buffers:
                 self._buffers.release(buffer)
 
+    def receive_whole(self, header: PushHeader, data: memoryview) -> bool:
+        """The same for a push whose tensors all came in one message (`data`): read in place
+        from it, no copy (the update copies each block it works on; see apply_update)."""
+        total = sum(meta.nbytes for meta in header.metas)
+        if len(data) != total:
+            raise InvalidArgument(f"push: its message carries {len(data)} bytes of tensors, its "
+                                  f"header announces {total}")
+        return self.receive_shared(header, data)
+
     def receive_shared(self, header: PushHeader, data: memoryview, release=None) -> bool:
         """The same for a push whose tensors lie back to back at the start of `data` (a
         client's push slot in shared memory): read in place, no copy. `release` (a

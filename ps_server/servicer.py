@@ -13,7 +13,7 @@ from ps_common.errors import CheckpointFailed, InvalidArgument, Overloaded
 from ps_common.status import translate_errors
 from ps_common.tensors import (
     ByteReader, Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
-    encode_chunk, iter_chunks,
+    encode_chunk, iter_chunks, to_wire,
 )
 from ps_common.wire import shard_to_proto, shardmap_from_proto
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -106,10 +106,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if total > self._chunk_bytes:
                 raise InvalidArgument(f"PullUnary of {total} bytes: more than one chunk "
                                       f"({self._chunk_bytes} bytes); use Pull")
-            header = pb.PullHeader(tensors=[meta.to_proto() for _, meta in plan])
-            data = b"".join(array_reader(held.values, meta.dtype, held.lock)(0, meta.nbytes)
-                            for held, meta in plan)
-            return encode_chunk(header.SerializeToString(), data)
+            header = pb.PullHeader(tensors=[meta.to_proto() for _, meta in plan]).SerializeToString()
+            # The message is built in one copy from the shards' values, under their locks
+            # (taken in key order, as pushes take them): one consistent cut of all of them.
+            locks = [held.lock for held, _ in sorted(plan, key=lambda pair: pair[0].key)]
+            for lock in locks:
+                lock.acquire()
+            try:
+                return encode_chunk(header, [_wire_bytes(held.values, meta.dtype)
+                                             for held, meta in plan])
+            finally:
+                for lock in locks:
+                    lock.release()
 
     def PushUnary(self, chunk: Chunk | InvalidArgument, context):
         with translate_errors(context, "PushUnary"):
@@ -117,7 +125,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if chunk.header is None:
                 raise InvalidArgument("a push must carry its header")
             header = _push_header(_parse_header(chunk.header))
-            return pb.PushReply(duplicate=self._pushes.receive(header, chunk.data, ()))
+            return pb.PushReply(duplicate=self._pushes.receive_whole(header, chunk.data))
 
     # ---- shared memory (ps_server.shared_memory) ---------------------------------------
 
@@ -309,6 +317,12 @@ class _PullSource:
     def _give_back(self, buffer: np.ndarray) -> None:
         self._pool.release(buffer)
         self._budget.release(buffer.nbytes)
+
+
+def _wire_bytes(values: np.ndarray, wire_dtype: str) -> memoryview:
+    """`values` encoded in `wire_dtype`, as bytes: a view when no conversion is needed."""
+    encoded = to_wire(values, wire_dtype)
+    return memoryview(encoded.reshape(-1).view(np.uint8))
 
 
 def _parse_header(raw) -> pb.PushHeader:

@@ -17,7 +17,7 @@ from ps_common.errors import (
 )
 from ps_common.shardmap import Shard, VariableSpec
 from ps_common.shm import VERSION
-from ps_common.tensors import TensorMeta, check_narrowing
+from ps_common.tensors import TensorMeta, all_finite, check_narrowing
 from ps_server.initializers import initialize_rows, validate_initializer
 from ps_server.optimizers import ShardOptimizerState, apply_update, make_state, resolve_knobs
 from ps_server.snapshots import UpdateGate
@@ -281,7 +281,7 @@ class ShardStore:
         if self.allow_non_finite:
             return
         for held, grad in zip(targets, grads):
-            if not _all_finite(grad.reshape(-1), after_block):
+            if grad.size and not all_finite(grad, after_block):
                 bad = int(np.size(grad) - np.count_nonzero(np.isfinite(grad)))
                 raise InvalidArgument(
                     f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "
@@ -314,18 +314,3 @@ class ShardStore:
                     held.lock.release()
             capture.wait_written(blocked)  # the checkpoint's copies are at their bound
 
-
-# Gradients are checked a block at a time: a finite sum proves every element of a block
-# finite without a full-size boolean temporary (and runs at memory speed); only a non-finite
-# sum, which an overflow of large finite values can also give, needs the element-wise check.
-CHECK_BLOCK_ELEMENTS = 1 << 20
-
-
-def _all_finite(flat: np.ndarray, after_block) -> bool:
-    for start in range(0, flat.size, CHECK_BLOCK_ELEMENTS):
-        block = flat[start:start + CHECK_BLOCK_ELEMENTS]
-        if not np.isfinite(block.sum()) and not np.isfinite(block).all():
-            return False
-        if after_block is not None:
-            after_block(block)
-    return True

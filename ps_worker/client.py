@@ -36,8 +36,8 @@ from ps_common.rpc import (
 from ps_common.shardmap import Component, Shard, ShardMap, VariableSpec
 from ps_common.status import RemoteError
 from ps_common.tensors import (
-    WIRE_DTYPES, StreamAssembler, TensorMeta, array_reader, decode_chunk, dtype_to_proto,
-    encode_chunk, from_wire, iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
+    WIRE_DTYPES, StreamAssembler, TensorMeta, all_finite, array_reader, decode_chunk,
+    dtype_to_proto, encode_chunk, from_wire, iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
 from ps_worker.shared_memory import SessionLost, SharedSession
@@ -670,8 +670,7 @@ class PSClient:
                 encoded = to_wire(grad, wire)
             # Checked after narrowing: a value that overflows the wire dtype becomes Inf.
             decoded = from_wire(encoded, wire)
-            if not self._allow_non_finite and not np.isfinite(decoded.sum()) \
-                    and not np.isfinite(decoded).all():
+            if not self._allow_non_finite and decoded.size and not all_finite(decoded):
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"variable {name!r}: gradient has non-finite values (NaN or "
                                    f"Inf) in wire dtype {wire}; nothing was applied")
@@ -715,8 +714,7 @@ class PSClient:
             attempts += 1
             first_header = header().SerializeToString()
             if nbytes <= self._chunk_bytes:  # one message: no stream to set up
-                message = encode_chunk(first_header, b"".join(r(0, n) for r, n in
-                                                              zip(readers, sizes)))
+                message = encode_chunk(first_header, [r(0, n) for r, n in zip(readers, sizes)])
                 return self._unary(stub.PushUnary, message, self._deadline(nbytes), server_id)
             call = stub.Push.future(
                 (encode_chunk(first_header if i == 0 else None, piece) for i, piece in

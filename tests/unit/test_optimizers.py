@@ -270,3 +270,24 @@ def test_adam_on_float16_variable_stays_finite_with_zero_and_tiny_gradients():
     assert np.all(np.isfinite(values))
     expected, _ = reference("adam", knobs_for_reference({"name": "adam"}), w0, grads)
     np.testing.assert_allclose(values, expected, atol=2e-3)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "adam"])
+def test_a_read_only_gradient_gives_the_same_update_and_stays_untouched(optimizer):
+    """A push applied straight from its received message: the gradient cannot be used as
+    scratch, and the result must be the same as from a writable copy."""
+    spec = VariableSpec("w", (3 * BLOCK_ELEMENTS + 5,), "float32", Component("zeros"),
+                        Component(optimizer, (("lr", 0.1),)), 0)
+    knobs = resolve_knobs(spec)
+    grad = np.random.default_rng(0).standard_normal(spec.shape).astype(np.float32)
+    results = []
+    for writable in (True, False):
+        values, state = np.ones(spec.shape, np.float32), make_state(spec, spec.shape)
+        g = grad.copy()
+        g.flags.writeable = writable
+        for _ in range(2):
+            apply_update(spec, knobs, values, state, g if not writable else g.copy())
+        if not writable:
+            np.testing.assert_array_equal(g, grad)
+        results.append(values)
+    np.testing.assert_array_equal(results[0], results[1])

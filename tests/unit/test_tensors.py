@@ -336,3 +336,38 @@ def test_chunk_codec_skips_unknown_fields_like_protobuf():
 def test_malformed_chunk_messages_are_invalid_argument(raw):
     with pytest.raises(_InvalidArgument):
         decode_chunk(raw)
+
+
+# ---- finiteness and one-message chunks ---------------------------------------------------
+
+from ps_common.tensors import FINITE_BLOCK_ELEMENTS, all_finite  # noqa: E402
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [0, FINITE_BLOCK_ELEMENTS + 3, -1])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_all_finite_finds_one_bad_element_in_any_block(bad, where, dtype):
+    values = np.ones(2 * FINITE_BLOCK_ELEMENTS + 10, dtype)
+    assert all_finite(values)
+    values[where] = bad
+    assert not all_finite(values)
+
+
+def test_all_finite_takes_huge_finite_values_whose_sum_overflows():
+    values = np.full(1000, np.finfo(np.float32).max, np.float32)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(values.sum())
+    assert all_finite(values)
+
+
+def test_all_finite_hands_over_each_block_once_read():
+    seen = []
+    assert all_finite(np.ones(FINITE_BLOCK_ELEMENTS + 1, np.float32), seen.append)
+    assert [b.size for b in seen] == [FINITE_BLOCK_ELEMENTS, 1]
+
+
+def test_a_chunk_of_several_data_pieces_is_one_data_field():
+    message = encode_chunk(b"hdr", [b"ab", memoryview(b"cd"), np.arange(2, dtype=np.uint8)])
+    chunk = decode_chunk(message)
+    assert bytes(chunk.header) == b"hdr"
+    assert bytes(chunk.data) == b"abcd\x00\x01"
