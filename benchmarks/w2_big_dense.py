@@ -170,21 +170,23 @@ def run_timed(client: PSClient, bare: bare_grpc.BareClient | None, size: int, lr
         pushes[0] += 1
         return t1 - t0, time.perf_counter() - t1
 
-    def bare_round_trip() -> tuple[float, float]:
+    def bare_round_trip(copy: bool = True) -> tuple[float, float]:
         t0 = time.perf_counter()
-        bare.download(nbytes, chunk_bytes)
+        bare.download(nbytes, chunk_bytes, copy=copy)
         t1 = time.perf_counter()
-        bare.upload(nbytes, chunk_bytes)
+        bare.upload(nbytes, chunk_bytes, copy=copy)
         return t1 - t0, time.perf_counter() - t1
 
     ps_round_trip()  # warm-up: connections, first touch of every buffer
     if bare is not None:
         bare_round_trip()
-    ps, base = Series(nbytes), Series(nbytes)
+        bare_round_trip(copy=False)
+    ps, base, ceiling = Series(nbytes), Series(nbytes), Series(nbytes)
     for _ in range(slices):
         ps.run(ps_round_trip, seconds / slices)
         if bare is not None:
             base.run(bare_round_trip, seconds / slices)
+            ceiling.run(lambda: bare_round_trip(copy=False), seconds / slices)
     client_peak = harness.peak_rss_bytes()  # before the check's full-size temporaries
     # The last pull saw pushes - 1 updates of w -= lr * g, from zeros.
     expected = np.float32(-lr * (pushes[0] - 1)) * grad
@@ -194,6 +196,9 @@ def run_timed(client: PSClient, bare: bare_grpc.BareClient | None, size: int, lr
     if bare is not None:
         out["baseline"] = base.summary("download", "upload")
         out["ratio"] = ps.n / ps.elapsed / (base.n / base.elapsed)
+        # grpcio's own ceiling: the same transfers with no copy on either side.
+        out["ceiling"] = ceiling.summary("download", "upload")
+        out["ratio_to_ceiling"] = ps.n / ps.elapsed / (ceiling.n / ceiling.elapsed)
     return out
 
 
@@ -233,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         record = {"size": args.size, "value_bytes": nbytes, "chunk_bytes": args.chunk_bytes,
                   "mode": "once" if args.once else "timed", **timed,
                   "server_idle_rss_bytes": idle_rss, "server_peak_rss_bytes": server_peak,
-                  "server_peak_over_values": server_peak / nbytes}
+                  "server_peak_over_values": server_peak / nbytes,
+                  "server_peak_above_idle_over_values": (server_peak - idle_rss) / nbytes}
         rows = [("variable", f"{args.size:,} float32 = {harness.mib(nbytes)}, 1 server, sgd, "
                              f"chunks of {harness.mib(args.chunk_bytes)}")]
         if args.once:
@@ -259,9 +265,15 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{base['round_trips']} in {base['elapsed_s']:.1f} s)"),
                      ("ratio", f"{record['ratio']:.2f} of the baseline (alternating in "
                                f"{args.slices} slices)")]
+            if "ceiling" in record:
+                top = record["ceiling"]
+                rows += [("bare grpc, no copies", f"{top['round_trips_per_s']:.2f} round trips/s  "
+                                                  f"{top['gb_per_s']:.3f} GB/s (grpcio's ceiling)"),
+                         ("ratio to the ceiling", f"{record['ratio_to_ceiling']:.2f}")]
         rows += [("server peak RSS", f"{harness.mib(server_peak)} = "
                                      f"{server_peak / nbytes:.2f} x the {harness.mib(nbytes)} of "
-                                     f"values (idle before declare: {harness.mib(idle_rss)})"),
+                                     f"values (idle before declare: {harness.mib(idle_rss)}; "
+                                     f"above idle: {(server_peak - idle_rss) / nbytes:.2f} x)"),
                  ("client peak RSS", harness.mib(record["client_peak_rss_bytes"]) +
                   ("" if args.once or args.no_baseline else " (with the baseline client's buffer)"))]
         if "baseline_server_peak_rss_bytes" in record:

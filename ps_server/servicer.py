@@ -169,7 +169,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 return pb.PushSharedReply(slot=slot, segment=segment.name)
             segment = self._shared.slot(session, request.slot)
             duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data,
-                                                    segment.releaser())
+                                                    self._shared.releaser(segment))
             return pb.PushSharedReply(reply=pb.PushReply(duplicate=duplicate))
 
     def CloseSharedMemory(self, request: pb.CloseSharedMemoryRequest, context):

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 # one). Push slots per session: a client's push window.
 MAX_SESSIONS = 1024
 MAX_SLOTS_PER_SESSION = 8
+# A push read from a slot at least this large is released from the server's memory as it
+# is read (ps_common.shm.Releaser); smaller slots stay mapped, since releasing them would
+# cost a page fault per page on every push for little memory.
+RELEASE_SLOTS_FROM_BYTES = 16 << 20
 
 
 # Segment names are unique per process (several servers may share one: tests, embedders).
@@ -157,6 +161,10 @@ class SharedMemory:
             slot = next(_SERIAL)
             session.slots[slot] = segment
         return slot, segment
+
+    @staticmethod
+    def releaser(segment: shm.Segment) -> shm.Releaser | None:
+        return segment.releaser() if segment.nbytes >= RELEASE_SLOTS_FROM_BYTES else None
 
     def slot(self, session: Session, slot: int) -> shm.Segment:
         with session.lock:
