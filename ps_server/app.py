@@ -118,6 +118,7 @@ class ParameterServer:
         self._membership_rpc: grpc.Future | None = None  # the call stop() cancels
         self._membership_lock = threading.Lock()
         self.registered = threading.Event()
+        self._stopped = threading.Event()  # stop() has finished: segments removed too
 
     @staticmethod
     def _shared_memory(config: ServerConfig) -> SharedMemory | None:
@@ -161,11 +162,19 @@ class ParameterServer:
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
         if self.shared is not None:
             self.shared.close()
+        self._stopped.set()
         if self._membership is not None and self._membership is not threading.current_thread():
             self._membership.join(timeout=5.0)
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._daemon.wait(timeout)
+        """Block until the server has stopped (by stop(), from any thread) or `timeout`
+        passes; True if it has. Returns only once stop() is complete, so a process that
+        exits then leaves no shared-memory segment behind."""
+        if not self._daemon.wait(timeout):
+            return False
+        # The gRPC server ends inside stop(), before stop() removes the segments: bounded
+        # by the shutdown's own duration (the grace period and the segments' removal).
+        return self._stopped.wait(self.config.grace_s + 30.0)
 
     def __enter__(self) -> "ParameterServer":
         return self.start()

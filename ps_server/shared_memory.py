@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -42,6 +43,9 @@ MAX_SLOTS_PER_SESSION = 8
 # is read (ps_common.shm.Releaser); smaller slots stay mapped, since releasing them would
 # cost a page fault per page on every push for little memory.
 RELEASE_SLOTS_FROM_BYTES = 16 << 20
+# A session whose client never proved the secret (it could not read the probe: another host
+# or user) ends after this long, with its probe.
+UNPROVEN_SESSION_S = 30.0
 
 
 # Segment names are unique per process (several servers may share one: tests, embedders).
@@ -54,6 +58,7 @@ class Session:
     client_id: str
     secret: bytes
     probe: shm.Segment | None
+    opened: float = field(default_factory=time.monotonic)
     slots: dict[int, shm.Segment] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -127,10 +132,15 @@ class SharedMemory:
                 raise Overloaded("the server is stopping")
             session = Session(next(self._session_ids), client_id, secret, probe)
             self._sessions[session.id] = session
-            evicted = (self._sessions.popitem(last=False)[1]
-                       if len(self._sessions) > MAX_SESSIONS else None)
-        if evicted is not None:
-            _end(evicted)
+            now = time.monotonic()
+            ended = [s for s in self._sessions.values()
+                     if s.probe is not None and now - s.opened > UNPROVEN_SESSION_S]
+            for old in ended:
+                del self._sessions[old.id]
+            if len(self._sessions) > MAX_SESSIONS:
+                ended.append(self._sessions.popitem(last=False)[1])
+        for old in ended:
+            _end(old)
         return session
 
     def session(self, session_id: int, secret: bytes) -> Session | None:

@@ -303,10 +303,12 @@ class ShardStore:
                     for held, grad in ordered:
                         if held.seqlock is not None:
                             held.seqlock[VERSION] += 1  # odd: readers of the segment retry
-                        apply_update(held.spec, held.knobs, held.values, held.state, grad,
-                                     after_block)
-                        if held.seqlock is not None:
-                            held.seqlock[VERSION] += 1
+                        try:
+                            apply_update(held.spec, held.knobs, held.values, held.state, grad,
+                                         after_block)
+                        finally:
+                            if held.seqlock is not None:
+                                held.seqlock[VERSION] += 1
                         held.updates += 1
                     return
             finally:

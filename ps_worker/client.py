@@ -184,6 +184,8 @@ class PSClient:
         self._use_shared_memory = shared_memory
         # Address -> shared-memory session, or None: that server's calls go over gRPC.
         self._shared: dict[str, SharedSession | None] = {}
+        # Address -> the path its calls took last ("shm" or "grpc"); kept after close().
+        self._paths: dict[str, str] = {}
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -509,9 +511,10 @@ class PSClient:
 
     def _shared_session(self, shard_map: ShardMap, server_id: str) -> SharedSession | None:
         """This server's shared-memory session, opened (the handshake) on first use."""
-        if not self._use_shared_memory:
-            return None
         address = shard_map.servers[server_id]
+        if not self._use_shared_memory:
+            self._paths[address] = "grpc"
+            return None
         with self._lock:
             if address in self._shared:
                 return self._shared[address]
@@ -521,6 +524,7 @@ class PSClient:
                 extra, session = session, self._shared[address]
             else:
                 extra, self._shared[address] = None, session
+                self._paths[address] = "grpc" if session is None else "shm"
         if extra is not None:
             extra.close()
         return session
@@ -534,11 +538,11 @@ class PSClient:
 
     @property
     def data_paths(self) -> dict[str, str]:
-        """Per server address this client has used: "shm" or "grpc"."""
+        """Per server address this client has used: "shm" (it has a shared-memory session
+        with that server) or "grpc". A server whose session ended keeps "shm" until the
+        client's next call to it finds out which path that call takes."""
         with self._lock:
-            addresses = set(self._stubs)
-            return {a: "shm" if self._shared.get(a) is not None else "grpc"
-                    for a in sorted(addresses)}
+            return dict(sorted(self._paths.items()))
 
     # ---- push --------------------------------------------------------------------------
 
@@ -756,17 +760,22 @@ class PSClient:
         if slot is None:
             return None
         stub = self._stub(address)
+        slot.write([p.grad for p in pieces])
+
+        def attempt():
+            attempts[0] += 1
+            return self._unary(stub.PushShared, session.push_request(slot, header()),
+                               self._timeout_s, server_id)
+
         try:
-            slot.write([p.grad for p in pieces])
-
-            def attempt():
-                attempts[0] += 1
-                return self._unary(stub.PushShared, session.push_request(slot, header()),
-                                   self._timeout_s, server_id)
-
             reply = self._call_server(attempt, shard_map, server_id, self._retry)
-        finally:
-            session.release(slot)
+        except RemoteError as error:
+            # Without an answer the server may still be reading the slot: it is never
+            # written again (the session keeps it until it ends). With one, it is free.
+            if error.code() not in _NO_ANSWER:
+                session.release(slot)
+            raise
+        session.release(slot)
         if reply.session_lost:
             self._forget_shared(address, session)
             return None

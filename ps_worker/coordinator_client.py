@@ -130,14 +130,15 @@ class CoordinatorClient:
         return "wait", reply.retry_after_ms / 1000.0
 
     def complete(self, worker_id: str, incarnation: int, task_id: int, *, loss_sum: float,
-                 examples: int, correct: int, steps: int, seconds: float) -> bool:
+                 examples: int, correct: int, steps: int, seconds: float,
+                 data_path: str = "") -> bool:
         """Report a task done; True if it had been reported already. Raises LeaseRevoked when
         this incarnation no longer holds the task."""
         try:
             reply = self._call("CompleteTask", pb.CompleteTaskRequest(
                 worker_id=worker_id, incarnation=incarnation, task_id=task_id,
                 metrics=pb.TaskMetrics(loss_sum=loss_sum, examples=examples, correct=correct,
-                                       steps=steps, seconds=seconds)))
+                                       steps=steps, seconds=seconds), data_path=data_path))
         except RemoteError as error:
             if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 raise LeaseRevoked(error.details()) from None

@@ -316,7 +316,8 @@ class Worker:
                     self._coordinator.complete(
                         self.worker_id, self._incarnation, task.task_id,
                         loss_sum=result.loss_sum, examples=result.examples,
-                        correct=result.correct, steps=result.steps, seconds=result.seconds)
+                        correct=result.correct, steps=result.steps, seconds=result.seconds,
+                        data_path=self._data_path())
                 except LeaseRevoked as revoked:
                     log.warning("task %d was taken back: %s", task.task_id, revoked)
                     raise Fenced() from None

@@ -592,9 +592,12 @@ class CompleteTaskRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     TASK_ID_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
+    DATA_PATH_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
     task_id: _builtins.int
+    data_path: _builtins.str
+    """As in WorkerHeartbeatRequest: a job shorter than a heartbeat still shows it."""
     @_builtins.property
     def metrics(self) -> Global___TaskMetrics: ...
     def __init__(
@@ -604,10 +607,11 @@ class CompleteTaskRequest(_message.Message):
         incarnation: _builtins.int = ...,
         task_id: _builtins.int = ...,
         metrics: Global___TaskMetrics | None = ...,
+        data_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "metrics", b"metrics", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "incarnation", b"incarnation", "metrics", b"metrics", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -404,9 +404,11 @@ class JobRunner:
             worker.leased.add(task_id)
             return "task", task
 
-    def complete(self, worker_id: str, incarnation: int, task_id: int, metrics: Metrics) -> bool:
+    def complete(self, worker_id: str, incarnation: int, task_id: int, metrics: Metrics,
+                 data_path: str = "") -> bool:
         """Record a finished task; returns True for a duplicate report (nothing changes),
         including the report of a task of an epoch that has ended (its tasks are dropped).
+        `data_path` as for heartbeat().
 
         Raises NotFound for a task id never issued and FencedIncarnation when
         the reporter no longer holds the task's lease (it was declared dead meanwhile).
@@ -439,6 +441,8 @@ class JobRunner:
                 worker.leased.discard(task_id)
                 worker.tasks_done += 1
                 worker.steps += metrics.steps
+                if data_path:
+                    worker.data_path = data_path
             task.state, task.holder, task.metrics = TaskState.DONE, None, metrics
             self._record(task, metrics)
             self._advance(task)

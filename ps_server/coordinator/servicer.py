@@ -165,7 +165,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise InvalidArgument("task metrics must not be negative")
             duplicate = self._runner.complete(
                 request.worker_id, request.incarnation, request.task_id,
-                Metrics(m.loss_sum, m.examples, m.correct, m.steps, m.seconds))
+                Metrics(m.loss_sum, m.examples, m.correct, m.steps, m.seconds),
+                data_path=request.data_path)
             if not duplicate:
                 # On disk before the worker hears it: a task acknowledged as done is done
                 # for a restarted coordinator too.
