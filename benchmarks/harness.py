@@ -570,6 +570,12 @@ def no_shm_args(args: argparse.Namespace) -> list[str]:
     return ["--no-shm"] if args.no_shm else []
 
 
+def client_path_args(args: argparse.Namespace) -> dict:
+    """PSClient keyword arguments for the path measured (none by default, so that the
+    benchmarks also run against checkouts older than the shared-memory path)."""
+    return {"shared_memory": False} if args.no_shm else {}
+
+
 def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, **small) -> None:
     """With `--quick`, set each of `small` (dest=value) that is still at its default."""
     if getattr(args, "quick", False):

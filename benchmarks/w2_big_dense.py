@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         server = c.servers[0]
         idle_rss = server.rss_bytes()
         with PSClient(c.address, chunk_bytes=args.chunk_bytes,
-                      shared_memory=not args.no_shm) as client:
+                      **harness.client_path_args(args)) as client:
             if args.once:
                 result = run_once(client, args.size)
                 timed = {"paramserve": result, "client_peak_rss_bytes": harness.peak_rss_bytes()}

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             harness.cluster(1, log_level="warning", server_args=harness.no_shm_args(args)) as c, \
             harness.ProcessGroup() as group:
         bare_server = bare_grpc.start_server(group)
-        with PSClient(c.address, shared_memory=not args.no_shm) as client, \
+        with PSClient(c.address, **harness.client_path_args(args)) as client, \
                 bare_grpc.BareClient(bare_server.address) as bare:
             client.declare(NAME, (ELEMENTS,), "float32", init="normal", seed=4)
             expected = client.pull(NAME)
