@@ -643,6 +643,36 @@ def test_a_server_that_never_comes_back_fails_the_job_naming_it(cluster):
     assert "Traceback" not in worker.stderr()
 
 
+def test_a_server_back_without_its_values_fails_the_job_naming_it_and_what_was_lost(
+        cluster, launch):
+    """No checkpoint directory and no --reinitialize-lost-shards: a server SIGKILLed mid-job
+    and started again on its port (empty) must stop the job, never let it train on from the
+    initializers."""
+    c = cluster(SLOW_JOB)
+    worker = c.start_worker("w0")
+    wait_for(c.observer, lambda s: s["job"]["steps"] > 0, "training to start",
+             watch=(*c.daemons, worker))
+    c.servers[1].signal(signal.SIGKILL)
+    assert c.servers[1].wait(EXIT_S) == -signal.SIGKILL
+    port = c.server_addresses["ps-1"].rsplit(":", 1)[1]
+    again = launch("ps-1-again", "ps_server.cli", "--port", port, "--server-id", "ps-1",
+                   "--coordinator", c.address, "--heartbeat-interval", str(HEARTBEAT_S))
+    assert again.address() == c.server_addresses["ps-1"]
+
+    status = wait_for(c.observer, job_over, "the job to fail",
+                      watch=(c.coordinator, again))
+    assert status["job"]["state"] == "failed", status["job"]
+    assert "ps-1" in status["job"]["failure"]
+    server = {s["id"]: s for s in status["servers"]}["ps-1"]
+    assert server["state_losses"] == 1
+    assert server["lost_shards"] and server["loss_action"] == "failed the job"
+    c.finish()
+    assert c.coordinator.wait(EXIT_S) == 1
+    assert "came back without the trained values" in c.coordinator.stderr()
+    worker.wait(EXIT_S)
+    assert "Traceback" not in worker.stderr()
+
+
 def test_coordinator_sigkilled_with_a_checkpoint_dir_resumes_the_job_where_it_was(
         cluster, tmp_path):
     """Job progress is kept in the checkpoint directory: the restarted coordinator (same
