@@ -2,7 +2,8 @@
 softmax cross-entropy, SGD lr 0.01 on the servers; 2 servers, 2 workers, async. A step =
 pull all params, forward + backward, push all grads. Figure: total steps/s over 20 s after a
 3 s warm-up, beside the compute-only baseline: the same MLP steps in one process with no
-server (NumPy applying SGD in place), measured in the same run.
+server (NumPy applying SGD in place), measured in the same run; and beside the cores'
+ceiling: as many of those compute-only processes at once as there are workers.
 
     python benchmarks/w1_dense_mlp.py [--seconds 20] [--warmup 3] [--workers 2] [--servers 2]
     python benchmarks/w1_dense_mlp.py --quick      # a few seconds: does it still run?
@@ -78,6 +79,24 @@ def compute_only(seconds: float, workers: int) -> dict:
         env=worker_environment(workers), capture_output=True, text=True, timeout=seconds + 120,
         check=True).stdout
     return {**json.loads(out.splitlines()[-1]), "blas_threads": blas_threads(workers)}
+
+
+def compute_only_together(seconds: float, workers: int) -> dict:
+    """`workers` compute-only processes at once (each with a worker's share of the cores),
+    no server: what the cores give when the workers do nothing but compute, the ceiling of
+    the cluster's total steps/s on this machine. {"steps_per_s" (their sum), "processes"}."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--compute-only", str(seconds)],
+                              cwd=harness.REPO_ROOT, env=worker_environment(workers),
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for _ in range(workers)]
+    try:
+        outs = [p.communicate(timeout=seconds + 120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    rates = [json.loads(out.splitlines()[-1])["steps_per_s"] for out in outs]
+    return {"steps_per_s": sum(rates), "processes": workers}
 
 
 def compute_only_steps(seconds: float) -> dict:
@@ -252,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seconds must be > 0, --warmup >= 0, --workers and --servers >= 1")
     with harness.bounded(args.seconds * 2 + args.warmup + 240, "W1"):
         baseline = compute_only(min(args.seconds, 10.0), args.workers)
+        together = compute_only_together(min(args.seconds, 10.0), args.workers)
         with w1_cluster(args.servers, args.workers, not args.no_shm) as w1c:
             wait_all_stepping(w1c)
             first, last = measure_window(w1c, args.warmup, args.seconds)
@@ -271,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"share of the cores, {baseline['blas_threads']} BLAS thread(s), "
                          "no server)"),
         ("total ratio", f"{rate / base:.2f}: total steps/s over the compute-only figure"),
+        ("cores' ceiling", f"{together['steps_per_s']:.1f} steps/s with {args.workers} "
+                           "compute-only processes at once, no server: the cluster reaches "
+                           f"{rate / together['steps_per_s']:.2f} of it"),
         ("per worker", f"{per_worker / base:.2f}: {lost:.0%} of each worker step lost to the "
                        f"parameter server ({args.servers} servers and {args.workers} workers "
                        f"share {os.cpu_count()} cores)"),
@@ -282,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps_per_s": rate, "per_worker_steps_per_s": per_worker,
         "worker_steps_per_s": measured["worker_steps_per_s"],
         "compute_only_steps_per_s": base, "per_worker_ratio": per_worker / base,
-        "total_ratio": rate / base, "cpu_ms_per_step": cpu["total"],
+        "total_ratio": rate / base,
+        "compute_only_together_steps_per_s": together["steps_per_s"],
+        "ratio_to_together": rate / together["steps_per_s"], "cpu_ms_per_step": cpu["total"],
         "cpu_ms_per_step_by_process": cpu["processes"],
         "compute_only_cpu_ms_per_step": baseline["cpu_ms_per_step"],
         "blas_threads": baseline["blas_threads"], "server_peak_rss_bytes": rss,
