@@ -105,11 +105,16 @@ class ParameterServer:
                                                if config.checkpoint_memory_bytes is None
                                                else config.checkpoint_memory_bytes),
                                            shared=self.shared)
-        self._daemon = Daemon(
-            host=config.host, port=config.port, service_names=[SERVICE_NAME],
-            add_servicers=lambda s: add_to_server(servicer, s), interceptors=interceptors,
-            max_workers=handler_threads(config.max_streams), companions=[self.streams],
-        )
+        try:
+            self._daemon = Daemon(
+                host=config.host, port=config.port, service_names=[SERVICE_NAME],
+                add_servicers=lambda s: add_to_server(servicer, s), interceptors=interceptors,
+                max_workers=handler_threads(config.max_streams), companions=[self.streams],
+            )
+        except BaseException:  # e.g. the port is taken: leave no segment behind
+            if self.shared is not None:
+                self.shared.close()
+            raise
         self.bound_address, self.port = self._daemon.address, self._daemon.port
         self.address = config.advertise_address or advertised_address(config.host, self.port)
         self.server_id = servicer.server_id = config.server_id or self.address

@@ -10,6 +10,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from ps_common.errors import CheckpointFailed, InvalidArgument, Overloaded
+from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_common.status import translate_errors
 from ps_common.tensors import (
     ByteReader, Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
@@ -103,9 +104,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             plan = self._store.plan_pull(
                 request.epoch, [(r.variable, r.index) for r in request.shards], wire)
             total = sum(meta.nbytes for _, meta in plan)
-            if total > self._chunk_bytes:
-                raise InvalidArgument(f"PullUnary of {total} bytes: more than one chunk "
-                                      f"({self._chunk_bytes} bytes); use Pull")
+            # Bounded by what one message may carry, not by this server's --chunk-bytes:
+            # clients choose the unary call by their own chunk size.
+            if total > MAX_CHUNK_BYTES:
+                raise InvalidArgument(f"PullUnary of {total} bytes: more than one message "
+                                      f"may carry ({MAX_CHUNK_BYTES} bytes); use Pull")
             header = pb.PullHeader(tensors=[meta.to_proto() for _, meta in plan]).SerializeToString()
             # The message is built in one copy from the shards' values, under their locks
             # (taken in key order, as pushes take them): one consistent cut of all of them.
@@ -135,7 +138,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 return pb.OpenSharedMemoryReply(offered=False)
             session = self._shared.open_session(request.client_id)
             return pb.OpenSharedMemoryReply(
-                offered=True, probe=session.probe.name, control=self._shared.control.name,
+                offered=True, probe=session.probe_name, control=self._shared.control.name,
                 session=session.id)
 
     def AttachShards(self, request: pb.AttachShardsRequest, context):
@@ -159,15 +162,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 return pb.PushSharedReply(session_lost=True)
             if request.slot == 0:
                 try:
-                    slot, segment = self._shared.new_slot(session, request.slot_bytes,
-                                                          max(self._store.nbytes(), 1))
+                    made = self._shared.new_slot(session, request.slot_bytes,
+                                                 max(self._store.nbytes(), 1))
                 except OSError as error:
                     log.warning("no shared-memory push slot of %d bytes for %s (%s): its "
                                 "pushes go over gRPC", request.slot_bytes, session.client_id,
                                 error.strerror or error)
                     return pb.PushSharedReply()
-                return pb.PushSharedReply(slot=slot, segment=segment.name)
+                if made is None:  # the session ended meanwhile
+                    return pb.PushSharedReply(session_lost=True)
+                return pb.PushSharedReply(slot=made[0], segment=made[1].name)
             segment = self._shared.slot(session, request.slot)
+            if segment is None:
+                return pb.PushSharedReply(session_lost=True)
             duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data,
                                                     self._shared.releaser(segment))
             return pb.PushSharedReply(reply=pb.PushReply(duplicate=duplicate))

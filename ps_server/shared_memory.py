@@ -61,6 +61,11 @@ class Session:
     opened: float = field(default_factory=time.monotonic)
     slots: dict[int, shm.Segment] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: bool = False  # closed, evicted or the server stopping: no new slots
+
+    def __post_init__(self):
+        # Kept apart from `probe`, which the first proven call takes away.
+        self.probe_name = self.probe.name if self.probe is not None else ""
 
 
 class SharedMemory:
@@ -95,7 +100,10 @@ class SharedMemory:
             return np.empty(shape, dtype)
         values = segment.array(dtype, shape)
         with self._lock:
-            self._values[id(values)] = (values, segment)
+            if not self._closed:
+                self._values[id(values)] = (values, segment)
+                return values
+        _retire(segment)  # the server is stopping: nothing may outlive close()
         return values
 
     def seqlock(self, values: np.ndarray) -> np.ndarray | None:
@@ -156,14 +164,18 @@ class SharedMemory:
             shm.unlink(probe.path)
         return session
 
-    def new_slot(self, session: Session, nbytes: int, limit: int) -> tuple[int, shm.Segment]:
-        """A push slot of `nbytes` for `session`. Raises InvalidArgument past `limit` (more
-        than any push to this server can carry) and Overloaded when the session holds its
-        MAX_SLOTS_PER_SESSION already; OSError when /dev/shm has no room."""
+    def new_slot(self, session: Session, nbytes: int,
+                 limit: int) -> tuple[int, shm.Segment] | None:
+        """A push slot of `nbytes` for `session` (None: the session has ended). Raises
+        InvalidArgument past `limit` (more than any push to this server can carry) and
+        Overloaded when the session holds its MAX_SLOTS_PER_SESSION already; OSError when
+        /dev/shm has no room."""
         if not 0 < nbytes <= limit:
             raise InvalidArgument(f"a push slot of {nbytes} bytes: must be between 1 and "
                                   f"{limit} (the bytes this server holds)")
         with session.lock:
+            if session.ended:
+                return None
             if len(session.slots) >= MAX_SLOTS_PER_SESSION:
                 raise Overloaded(f"session of {session.client_id} holds "
                                  f"{MAX_SLOTS_PER_SESSION} push slots already")
@@ -176,8 +188,11 @@ class SharedMemory:
     def releaser(segment: shm.Segment) -> shm.Releaser | None:
         return segment.releaser() if segment.nbytes >= RELEASE_SLOTS_FROM_BYTES else None
 
-    def slot(self, session: Session, slot: int) -> shm.Segment:
+    def slot(self, session: Session, slot: int) -> shm.Segment | None:
+        """The session's push slot (None: the session has ended)."""
         with session.lock:
+            if session.ended:
+                return None
             segment = session.slots.get(slot)
         if segment is None:
             raise InvalidArgument(f"push slot {slot} is not one of this session's")
@@ -227,6 +242,7 @@ def _retire(segment: shm.Segment) -> None:
 
 def _end(session: Session) -> None:
     with session.lock:
+        session.ended = True
         segments = list(session.slots.values())
         session.slots.clear()
         probe, session.probe = session.probe, None

@@ -133,70 +133,84 @@ class ShardStore:
         as it is. `superseded` names trained shards that may be dropped all the same: the
         coordinator placed them elsewhere from a checkpoint while this server was away.
         """
-        for shard in shards:
-            spec = specs.get(shard.variable)
-            if spec is None:
-                raise InvalidArgument(f"assignment names shard of undeclared {shard.variable!r}")
-            validate_initializer(spec)
-            resolve_knobs(spec)
-            if not 0 <= shard.row_start < shard.row_stop <= spec.rows:
-                raise InvalidArgument(
-                    f"shard {shard.index} of {spec.name!r}: rows {shard.row_start}:"
-                    f"{shard.row_stop} outside 0:{spec.rows}"
-                )
-        with self._assign_lock:
-            with self._lock:
-                if epoch < self._epoch:
-                    raise StaleEpoch(epoch, self._epoch)
-                current = dict(self._shards)
-            wanted = {s.key: s for s in shards}
-            for key, held in current.items():
-                shard = wanted.get(key)
-                if held.updates and key not in superseded and (
-                        shard is None or held.spec != specs[shard.variable]
-                        or held.shard != shard):
-                    raise TrainedShardConflict(
-                        f"assignment of epoch {epoch} would "
-                        f"{'drop' if shard is None else 're-create'} {held.describe()}, which "
-                        f"holds trained values ({held.updates} update(s)); refused")
-            created: dict[tuple[str, int], HeldShard] = {}
-            failed: list[tuple[Shard, str]] = []
-            for key, shard in wanted.items():
-                spec = specs[shard.variable]
-                held = current.get(key)
-                if held is not None and held.spec == spec and held.shard == shard:
-                    continue
-                # Initialization of a large shard takes seconds: outside the store lock, so
-                # pulls and pushes of other shards go on meanwhile.
-                try:
-                    if restore is not None and key in restore.shards:
-                        held = restore.created.get(key)
-                        if held is None:  # the checkpoint could not give it
-                            failed.append((shard, restore.failure(shard)))
-                        else:
-                            created[key] = held
+        # Every array made for this call, restored ones included: whatever is not installed
+        # when it ends (refused, out of memory, a repeated delivery that found its shards in
+        # place) is retired, so that no segment outlives its use.
+        made: list[np.ndarray] = [] if restore is None else [
+            held.values for held in restore.created.values()]
+        try:
+            for shard in shards:
+                spec = specs.get(shard.variable)
+                if spec is None:
+                    raise InvalidArgument(
+                        f"assignment names shard of undeclared {shard.variable!r}")
+                validate_initializer(spec)
+                resolve_knobs(spec)
+                if not 0 <= shard.row_start < shard.row_stop <= spec.rows:
+                    raise InvalidArgument(
+                        f"shard {shard.index} of {spec.name!r}: rows {shard.row_start}:"
+                        f"{shard.row_stop} outside 0:{spec.rows}"
+                    )
+            with self._assign_lock:
+                with self._lock:
+                    if epoch < self._epoch:
+                        raise StaleEpoch(epoch, self._epoch)
+                    current = dict(self._shards)
+                wanted = {s.key: s for s in shards}
+                for key, held in current.items():
+                    shard = wanted.get(key)
+                    if held.updates and key not in superseded and (
+                            shard is None or held.spec != specs[shard.variable]
+                            or held.shard != shard):
+                        raise TrainedShardConflict(
+                            f"assignment of epoch {epoch} would "
+                            f"{'drop' if shard is None else 're-create'} {held.describe()}, which "
+                            f"holds trained values ({held.updates} update(s)); refused")
+                created: dict[tuple[str, int], HeldShard] = {}
+                failed: list[tuple[Shard, str]] = []
+                for key, shard in wanted.items():
+                    spec = specs[shard.variable]
+                    held = current.get(key)
+                    if held is not None and held.spec == spec and held.shard == shard:
                         continue
-                    values = initialize_rows(spec, shard.row_start, shard.row_stop,
-                                             out=self.memory.empty(shard.shape(spec), spec.dtype))
-                    state = make_state(spec, values.shape)
-                except MemoryError:
-                    failed.append((shard, (
-                        f"out of memory creating shard {shard.index} of {spec.name!r} (rows "
-                        f"{shard.row_start}:{shard.row_stop}, "
-                        f"{shard.nbytes(spec) / 2**20:.1f} MiB of values)")))
-                    continue
-                created[key] = HeldShard(spec, shard, values, state, resolve_knobs(spec))
-            for held in created.values():
-                held.seqlock = self.memory.seqlock(held.values)
+                    # Initialization of a large shard takes seconds: outside the store lock, so
+                    # pulls and pushes of other shards go on meanwhile.
+                    try:
+                        if restore is not None and key in restore.shards:
+                            held = restore.created.get(key)
+                            if held is None:  # the checkpoint could not give it
+                                failed.append((shard, restore.failure(shard)))
+                            else:
+                                created[key] = held
+                            continue
+                        values = self.memory.empty(shard.shape(spec), spec.dtype)
+                        made.append(values)
+                        initialize_rows(spec, shard.row_start, shard.row_stop, out=values)
+                        state = make_state(spec, values.shape)
+                    except MemoryError:
+                        failed.append((shard, (
+                            f"out of memory creating shard {shard.index} of {spec.name!r} (rows "
+                            f"{shard.row_start}:{shard.row_stop}, "
+                            f"{shard.nbytes(spec) / 2**20:.1f} MiB of values)")))
+                        continue
+                    created[key] = HeldShard(spec, shard, values, state, resolve_knobs(spec))
+                for held in created.values():
+                    held.seqlock = self.memory.seqlock(held.values)
+                with self._lock:
+                    kept = {key: held for key, held in current.items() if key in wanted
+                            and held.shard == wanted[key] and held.spec == specs[key[0]]}
+                    self._shards = {**kept, **created}
+                    self._epoch = epoch
+                self.memory.set_epoch(epoch)
+                for key, held in current.items():
+                    if kept.get(key) is not held:
+                        self.memory.retire(held.values)
+        finally:
             with self._lock:
-                kept = {key: held for key, held in current.items() if key in wanted
-                        and held.shard == wanted[key] and held.spec == specs[key[0]]}
-                self._shards = {**kept, **created}
-                self._epoch = epoch
-            self.memory.set_epoch(epoch)
-            for key, held in current.items():
-                if kept.get(key) is not held:
-                    self.memory.retire(held.values)
+                live = {id(held.values) for held in self._shards.values()}
+            for values in made:
+                if id(values) not in live:
+                    self.memory.retire(values)
         if created or failed:
             log.info("epoch %d: created %d shard(s), holding %d%s", epoch, len(created),
                      len(wanted) - len(failed),

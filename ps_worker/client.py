@@ -762,20 +762,28 @@ class PSClient:
         stub = self._stub(address)
         slot.write([p.grad for p in pieces])
 
+        unanswered = [False]
+
         def attempt():
             attempts[0] += 1
-            return self._unary(stub.PushShared, session.push_request(slot, header()),
-                               self._timeout_s, server_id)
+            try:
+                return self._unary(stub.PushShared, session.push_request(slot, header()),
+                                   self._timeout_s, server_id)
+            except (grpc.RpcError, RemoteError) as error:
+                unanswered[0] |= error.code() in _NO_ANSWER
+                raise
 
+        # After an attempt without an answer the server may still be reading the slot,
+        # whatever a later attempt was told: it is never written again (the session keeps
+        # it until it ends). When every attempt was answered, nobody reads it any more.
         try:
             reply = self._call_server(attempt, shard_map, server_id, self._retry)
         except RemoteError as error:
-            # Without an answer the server may still be reading the slot: it is never
-            # written again (the session keeps it until it ends). With one, it is free.
-            if error.code() not in _NO_ANSWER:
+            if error.code() not in _NO_ANSWER and not unanswered[0]:
                 session.release(slot)
             raise
-        session.release(slot)
+        if not unanswered[0]:
+            session.release(slot)
         if reply.session_lost:
             self._forget_shared(address, session)
             return None

@@ -78,9 +78,9 @@ class SharedSession:
         try:
             reply = stub.OpenSharedMemory(pb.OpenSharedMemoryRequest(client_id=client_id),
                                           timeout=HANDSHAKE_TIMEOUT_S)
-        except grpc.RpcError as error:
+        except (grpc.RpcError, ValueError) as error:  # ValueError: interrupt() closed the channel
             log.info("server %s: no shared memory (%s): using gRPC", server_id,
-                     error.code().name)
+                     error.code().name if isinstance(error, grpc.RpcError) else error)
             return None
         if not reply.offered:
             log.info("server %s offers no shared memory: using gRPC", server_id)
@@ -137,7 +137,7 @@ class SharedSession:
             shards=[pb.ShardRef(variable=s.variable, index=s.index) for s in shards])
         try:
             reply = self._stub.AttachShards(request, timeout=timeout_s)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: interrupt() closed the channel
             return  # the pull goes over gRPC, which reports what is wrong
         if reply.session_lost:
             raise SessionLost()
@@ -173,6 +173,8 @@ class SharedSession:
                                        slot_bytes=max(nbytes, 1))
         try:
             reply = self._stub.PushShared(request, timeout=timeout_s)
+        except ValueError:  # interrupt() closed the channel: gRPC says CANCELLED
+            return None
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 with self._lock:

@@ -73,6 +73,19 @@ INITS = [
 ]
 
 
+@pytest.mark.parametrize("client_chunk", [64, 1024, 3 * 2**20])
+def test_client_and_server_chunk_sizes_need_not_agree(make_cluster, client_chunk):
+    """A client picks one message or a stream by its own chunk size; a server with a
+    smaller --chunk-bytes still answers a one-message pull and push."""
+    cluster = make_cluster(servers=1, chunk_bytes=64)
+    with PSClient(cluster.coordinator_address, chunk_bytes=client_chunk) as ps:
+        start = ps.declare("w", shape=(100,), init="normal", optimizer=SGD1, seed=3)
+        values = ps.pull("w")
+        np.testing.assert_array_equal(values, initialize_rows(start, 0, 100))
+        ps.push({"w": np.ones(100, np.float32)})
+        np.testing.assert_array_equal(ps.pull("w"), values - 1)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_initial_values_equal_initialize_rows(make_cluster, dtype):
     cluster = make_cluster(servers=3, split_threshold_bytes=150, chunk_bytes=64)

@@ -11,6 +11,7 @@ by what appeared in /dev/shm while it ran (names carry a per-process serial)."""
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -26,7 +27,9 @@ import pytest
 import ps_worker.shared_memory as client_shm
 from ps_common import shm
 from ps_common.cli import run_until_signal
+from ps_common.errors import InvalidArgument, StaleEpoch
 from ps_common.job import JobSpec
+from ps_common.shardmap import Shard, VariableSpec
 from ps_common.tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
@@ -36,6 +39,9 @@ from ps_server.app import ParameterServer, ServerConfig
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.initializers import initialize_rows
 from ps_server.pushes import PushReceiver
+from ps_server import store as store_module
+from ps_server.optimizers import make_state
+from ps_server.store import HeldShard, ShardStore
 from ps_server.testing import InProcessCluster
 from ps_worker import PSClient, RemoteError
 
@@ -638,3 +644,163 @@ def test_a_server_told_to_exit_has_removed_its_segments_when_its_main_loop_retur
         coordinator.stop()
     assert code == 0
     assert not left, f"ps-server's main loop returned with {control} still in /dev/shm"
+
+
+# ---- no segment outlives its use -----------------------------------------------------------
+
+class _Restored:
+    """A prepared restore (ps_server.restore.ShardRestore) that read `held` from a checkpoint."""
+
+    def __init__(self, held: dict):
+        self.shards, self.created = set(held), held
+
+    @staticmethod
+    def failure(shard) -> str:
+        return f"checkpoint could not give {shard.key}"
+
+
+@pytest.fixture
+def shared_store():
+    """(SharedMemory, ShardStore keeping its values in it, restored(spec, shard))."""
+    memory = server_shm.SharedMemory()
+    store = ShardStore(memory=memory)
+
+    def restored(spec: VariableSpec, shard: Shard) -> _Restored:
+        values = memory.empty(shard.shape(spec), spec.dtype)
+        values[...] = 7.0
+        return _Restored({shard.key: HeldShard(spec, shard, values,
+                                               make_state(spec, values.shape), {})})
+
+    yield memory, store, restored
+    memory.close()
+
+
+def _spec_and_shard(rows: int = 8) -> tuple[VariableSpec, Shard]:
+    spec = VariableSpec("w", (rows, 4))
+    return spec, Shard("w", 0, 0, rows, "s0")
+
+
+def test_restored_shards_an_assignment_does_not_install_are_removed(shared_store):
+    memory, store, restored = shared_store
+    spec, shard = _spec_and_shard()
+    before = own_segments()
+    store.assign(2, {"w": spec}, [shard])
+    installed = own_segments() - before
+    assert len(installed) == 1
+
+    # The same assignment delivered again while a restore was read for it: the shard is in
+    # place already, so the restored copy is dropped.
+    store.assign(2, {"w": spec}, [shard], restore=restored(spec, shard))
+    assert own_segments() - before == installed
+    # Refused as stale, and refused for naming an undeclared variable: nothing stays.
+    with pytest.raises(StaleEpoch):
+        store.assign(1, {"w": spec}, [shard], restore=restored(spec, shard))
+    with pytest.raises(InvalidArgument):
+        store.assign(3, {}, [shard], restore=restored(spec, shard))
+    assert own_segments() - before == installed
+    assert store.epoch == 2
+
+
+def test_a_shard_whose_optimizer_state_runs_out_of_memory_leaves_no_segment(
+        shared_store, monkeypatch):
+    memory, store, _ = shared_store
+    spec, shard = _spec_and_shard()
+    before = own_segments()
+
+    def out_of_memory(spec, shape):
+        raise MemoryError
+
+    monkeypatch.setattr(store_module, "make_state", out_of_memory)
+    outcome = store.assign(1, {"w": spec}, [shard])
+    assert [failed.key for failed, _ in outcome.failed] == [shard.key]
+    assert own_segments() == before
+
+
+def test_nothing_made_after_close_is_left_in_shared_memory(shared_store):
+    memory, _, _ = shared_store
+    session = memory.open_session("late-client")
+    memory.close()
+    assert not own_segments()
+    values = memory.empty((16,), "float32")  # a handler still running as the server stops
+    values[...] = 1.0  # still usable: its mapping outlives the name
+    assert memory.new_slot(session, 64, 1024) is None
+    assert memory.slot(session, 1) is None
+    assert not own_segments()
+
+
+def test_a_push_to_a_session_ending_meanwhile_is_session_lost_not_invalid_argument(
+        make_cluster, stub_of, monkeypatch):
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        epoch = ps.shard_map.epoch
+    raw = RawSession(stub_of(cluster))
+    made = raw.new_slot(16)
+    assert made.slot
+    memory = cluster.servers[0].shared
+    found = memory.session
+
+    def found_then_ended(session_id, secret):
+        """The session is evicted just after the call found it."""
+        session = found(session_id, secret)
+        memory.close_session(session)
+        return session
+
+    monkeypatch.setattr(memory, "session", found_then_ended)
+    reply = raw.push(made.slot, push_header(epoch, "w", (4,), client_id="raw-client"))
+    assert reply.session_lost
+    monkeypatch.undo()
+    raw = RawSession(stub_of(cluster))
+    monkeypatch.setattr(memory, "session", found_then_ended)
+    assert raw.new_slot(16).session_lost
+    np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.zeros(4, np.float32))
+
+
+def test_shared_memory_calls_on_a_closed_channel_fall_back_instead_of_raising(make_cluster):
+    """interrupt() closes a client's channels: the shared-memory handshake, attach and slot
+    calls then leave the call to gRPC (which says CANCELLED) instead of raising ValueError."""
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        shards = ps.shard_map.shards_of("w")
+        epoch = ps.shard_map.epoch
+    channel = grpc.insecure_channel(cluster.servers[0].address)
+    stub = ps_grpc.ParameterServerStub(channel)
+    session = client_shm.SharedSession.open(stub, "closing-client", "s0")
+    assert session is not None
+    channel.close()
+    assert client_shm.SharedSession.open(stub, "closing-client", "s0") is None
+    assert session.push_slot(16, 5.0) is None
+    out = np.empty(4, np.float32)
+    assert not session.read(epoch, list(shards), [out], 5.0)
+    session.close()
+
+
+def test_a_push_slot_is_never_reused_after_an_attempt_without_an_answer(make_cluster):
+    """The first attempt's answer is lost, the retry is answered: the server may still have
+    been reading the slot for the first, so the next push gets a new one."""
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.push({"w": np.ones(4, np.float32)})
+        slots = calls(cluster, "PushSharedSlot")
+        ps.push({"w": np.ones(4, np.float32)})
+        assert calls(cluster, "PushSharedSlot") == slots  # an answered push frees its slot
+        cluster.faults.drop_response_next("Push")
+        ps.push({"w": np.ones(4, np.float32)})  # applied once, answered on the retry
+        ps.push({"w": np.ones(4, np.float32)})
+        assert calls(cluster, "PushSharedSlot") == slots + 1
+    np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.full(4, -4.0, np.float32))
+
+
+def test_a_server_that_cannot_bind_its_port_leaves_no_segment():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    before = own_segments()
+    try:
+        with pytest.raises(OSError, match=f"could not bind 127.0.0.1:{taken.getsockname()[1]}"):
+            ParameterServer(ServerConfig(host="127.0.0.1", port=taken.getsockname()[1]))
+    finally:
+        taken.close()
+    assert own_segments() == before
