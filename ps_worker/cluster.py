@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import random
@@ -19,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 from ps_common.cli import add_server_loss_arguments, add_shared_memory_argument
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
@@ -31,6 +34,10 @@ READY_TIMEOUT_S = 60.0
 KILL_WAIT_S = 10.0
 # Short, so that a server killed by --chaos loses little (the default job lasts seconds).
 CHAOS_CHECKPOINT_EVERY = "20steps"
+# Three kills and their recoveries take seconds (restarts, heartbeats, a checkpoint first),
+# about as long as the whole default 10-epoch job over shared memory: a --chaos job given
+# no epochs (by flag or job file) runs this many, so that it outlasts them.
+CHAOS_EPOCHS = 30
 
 
 class ClusterError(RuntimeError):
@@ -279,6 +286,12 @@ def _python(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def _names_epochs(job_file: str) -> bool:
+    """Whether the job file sets `epochs` (job_from_args has read and checked it already)."""
+    values = yaml.safe_load(Path(job_file).read_text())
+    return isinstance(values, dict) and "epochs" in values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -290,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chaos-seed is for --chaos")
     try:
         job = job_from_args(args) or JobSpec()
+        if args.chaos and args.epochs is None and not (args.job and _names_epochs(args.job)):
+            job = dataclasses.replace(job, epochs=CHAOS_EPOCHS)
         _check_job_runs_here(job)
     except JobError as error:
         parser.error(str(error))
