@@ -40,7 +40,7 @@ from ps_common.tensors import (
     dtype_to_proto, encode_chunk, from_wire, iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
-from ps_worker.shared_memory import SessionLost, SharedSession
+from ps_worker.shared_memory import HandshakeFailed, SessionLost, SharedSession
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 
@@ -56,6 +56,9 @@ _NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
                         grpc.StatusCode.CANCELLED})
 # Deadline of the one GetShardMap with which a waiting call checks whether its server moved.
 MOVED_CHECK_TIMEOUT_S = 5.0
+# After a shared-memory handshake call failed, calls to that server go over gRPC this long
+# before the handshake is tried again.
+HANDSHAKE_RETRY_S = 5.0
 
 
 def _local_error(code: grpc.StatusCode, message: str) -> RemoteError:
@@ -186,6 +189,8 @@ class PSClient:
         self._shared: dict[str, SharedSession | None] = {}
         # Address -> the path its calls took last ("shm" or "grpc"); kept after close().
         self._paths: dict[str, str] = {}
+        # address -> when a failed shared-memory handshake may be tried again
+        self._handshake_retry_at: dict[str, float] = {}
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -518,7 +523,15 @@ class PSClient:
         with self._lock:
             if address in self._shared:
                 return self._shared[address]
-        session = SharedSession.open(self._stub(address), self.client_id, server_id)
+            if time.monotonic() < self._handshake_retry_at.get(address, 0.0):
+                return None
+        try:
+            session = SharedSession.open(self._stub(address), self.client_id, server_id)
+        except HandshakeFailed:
+            with self._lock:
+                self._handshake_retry_at[address] = time.monotonic() + HANDSHAKE_RETRY_S
+                self._paths.setdefault(address, "grpc")
+            return None
         with self._lock:
             if address in self._shared:  # another thread's handshake won
                 extra, session = session, self._shared[address]

@@ -33,6 +33,10 @@ MAX_READ_BACKOFF_S = 0.002
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
+class HandshakeFailed(Exception):
+    """The handshake call failed: use gRPC, and try the handshake again later."""
+
+
 class SessionLost(Exception):
     """The server no longer knows this session (it restarted or stopped)."""
 
@@ -74,14 +78,18 @@ class SharedSession:
     @classmethod
     def open(cls, stub, client_id: str, server_id: str) -> "SharedSession | None":
         """The handshake: a session if the server offers one and this process can read the
-        secret in its probe segment (same host, same user); else None."""
+        secret in its probe segment (same host, same user); else None. Raises
+        HandshakeFailed when the call itself failed (the server away, slow or restarting):
+        the answer may differ next time."""
         try:
             reply = stub.OpenSharedMemory(pb.OpenSharedMemoryRequest(client_id=client_id),
                                           timeout=HANDSHAKE_TIMEOUT_S)
-        except (grpc.RpcError, ValueError) as error:  # ValueError: interrupt() closed the channel
-            log.info("server %s: no shared memory (%s): using gRPC", server_id,
-                     error.code().name if isinstance(error, grpc.RpcError) else error)
+        except ValueError:  # interrupt() closed the channel: gRPC says CANCELLED
             return None
+        except grpc.RpcError as error:
+            log.info("server %s: no shared-memory handshake (%s): using gRPC for now",
+                     server_id, error.code().name)
+            raise HandshakeFailed() from None
         if not reply.offered:
             log.info("server %s offers no shared memory: using gRPC", server_id)
             return None

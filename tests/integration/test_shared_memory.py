@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import pytest
 
+import ps_worker.client as client_module
 import ps_worker.shared_memory as client_shm
 from ps_common import shm
 from ps_common.cli import run_until_signal
@@ -804,3 +805,22 @@ def test_a_server_that_cannot_bind_its_port_leaves_no_segment():
     finally:
         taken.close()
     assert own_segments() == before
+
+
+def test_a_failed_handshake_is_tried_again_and_the_client_moves_to_shared_memory(
+        make_cluster, monkeypatch):
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as setup:
+        setup.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+    monkeypatch.setattr(client_module, "HANDSHAKE_RETRY_S", 0.0, raising=False)
+    with PSClient(cluster.coordinator_address) as ps:
+        cluster.faults.fail_next("OpenSharedMemory")
+        pulled = calls(cluster, "Pull")
+        ps.pull("w")  # the handshake fails: over gRPC this time
+        assert calls(cluster, "Pull") == pulled + 1
+        assert ps.data_paths == {cluster.servers[0].address: "grpc"}
+        ps.push({"w": np.ones(4, np.float32)})  # the next call tries again, and gets one
+        assert ps.data_paths == {cluster.servers[0].address: "shm"}
+        pulled = calls(cluster, "Pull")
+        np.testing.assert_array_equal(ps.pull("w"), -np.ones(4, np.float32))
+        assert calls(cluster, "Pull") == pulled
