@@ -8,7 +8,6 @@ session, and ended by the `launch` fixture whatever happens; every wait is bound
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from child_processes import POLL_S, READY_S, Proc
 from ps_common import shm
 from ps_worker import PSClient, RetryPolicy
 
@@ -27,10 +27,7 @@ UNSUPPORTED = shm.supported()
 pytestmark = [pytest.mark.system,
               pytest.mark.skipif(UNSUPPORTED is not None, reason=UNSUPPORTED or "")]
 
-READY_S = 30.0  # a process prints its "listening on" line within this
 JOB_S = 60.0  # a ps-cluster job of these tests ends within this
-EXIT_S = 15.0  # a process told to finish exits within this
-POLL_S = 0.05
 CTL = [sys.executable, "-m", "ps_worker.ctl"]
 # Calls wait for a server that is away (killed, restarting) for a bounded while.
 PATIENT = RetryPolicy(max_attempts=60, initial_backoff_s=0.05, max_backoff_s=0.25)
@@ -39,86 +36,6 @@ COUNT_UP = -np.ones(1, np.float32)  # SGD lr 1: every push adds exactly 1.0 to t
 
 
 # ---- processes -----------------------------------------------------------------------------
-
-class Proc:
-    """`python -m module args` in its own session, stdout and stderr in files."""
-
-    def __init__(self, name: str, module: str, args: list[str], directory: Path):
-        self.name = name
-        self.out_path = directory / f"{name}.out"
-        self.err_path = directory / f"{name}.err"
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", module, *args], stdout=out, stderr=err,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    def stdout(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def logs(self) -> str:
-        return (f"--- {self.name} (pid {self.pid}, exit {self.returncode}) stdout:\n"
-                f"{self.stdout()[-3000:]}\n--- stderr:\n"
-                f"{self.err_path.read_text(errors='replace')[-3000:]}")
-
-    def address(self) -> str:
-        """HOST:PORT from the process's 'listening on HOST:PORT' line (bounded wait)."""
-        deadline = time.monotonic() + READY_S
-        while True:
-            for line in self.stdout().splitlines():
-                if " listening on " in line:
-                    return line.rsplit(" ", 1)[-1]
-            if self.returncode is not None:
-                pytest.fail(f"{self.name} exited before it was ready\n{self.logs()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{self.name} not ready within {READY_S:g} s\n{self.logs()}")
-            time.sleep(POLL_S)
-
-    def wait(self, timeout: float = EXIT_S) -> int:
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.name} still running after {timeout:g} s\n{self.logs()}")
-
-    def terminate_and_wait(self) -> int:
-        self.popen.send_signal(signal.SIGTERM)
-        return self.wait()
-
-
-@pytest.fixture
-def launch(tmp_path):
-    """`launch(name, module, *args)` starts a process; all are ended after the test:
-    SIGTERM, then SIGKILL of its process group (its own session) after a bounded wait."""
-    started: list[Proc] = []
-
-    def start(name: str, module: str, *args: str) -> Proc:
-        proc = Proc(name, module, list(args), tmp_path)
-        started.append(proc)
-        return proc
-
-    yield start
-    alive = [p for p in started if p.returncode is None]
-    for proc in alive:
-        proc.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + EXIT_S
-    for proc in alive:
-        try:
-            proc.popen.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: only this process
-            except ProcessLookupError:
-                pass
-            proc.popen.wait(5.0)
-
 
 def segments_of(pid: int) -> list[str]:
     """The shared-memory segments in /dev/shm named after server process `pid`."""

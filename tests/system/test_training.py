@@ -19,24 +19,20 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from child_processes import EXIT_S, POLL_S, READY_S, Proc
 from ps_worker.coordinator_client import CoordinatorClient, LeaseRevoked
 
 pytestmark = pytest.mark.system
 
 HEARTBEAT_S = 0.2
 HEARTBEAT_TIMEOUT_S = 2.0
-READY_S = 30.0  # a process prints its "listening on" line within this
 JOB_S = 60.0  # a job of these tests ends within this
-EXIT_S = 15.0  # a process told to finish exits within this
 REFUSE_S = 10.0  # a wrong address, dead coordinator or bad job is reported within this
-POLL_S = 0.05
 ACCURACY = 0.95
 OBSERVER = "test-observer"
 
@@ -48,89 +44,6 @@ SLOW_JOB_TASKS = 10 * (2 + 1)
 
 
 # ---- processes ---------------------------------------------------------------------------
-
-class Proc:
-    """One child process (`python -m module args`), stdout and stderr in files."""
-
-    def __init__(self, name: str, module: str, args: list[str], directory: Path):
-        self.name = name
-        self.out_path = directory / f"{name}.out"
-        self.err_path = directory / f"{name}.err"
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", module, *args], stdout=out, stderr=err,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    def stdout(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def stderr(self) -> str:
-        return self.err_path.read_text(errors="replace")
-
-    def logs(self) -> str:
-        return (f"--- {self.name} (pid {self.pid}, exit {self.returncode}) stdout:\n"
-                f"{self.stdout()[-3000:]}\n--- stderr:\n{self.stderr()[-3000:]}")
-
-    def address(self, timeout: float = READY_S) -> str:
-        """HOST:PORT from the process's 'listening on HOST:PORT' line (bounded wait)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in self.stdout().splitlines():
-                if " listening on " in line:
-                    return line.rsplit(" ", 1)[-1]
-            if self.returncode is not None:
-                pytest.fail(f"{self.name} exited before it was ready\n{self.logs()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{self.name} not ready within {timeout:g} s\n{self.logs()}")
-            time.sleep(POLL_S)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.name} still running after {timeout:g} s\n{self.logs()}")
-
-    def signal(self, signum: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, signum)
-
-
-@pytest.fixture
-def launch(tmp_path):
-    """`launch(name, module, *args)` starts a process; all are ended after the test:
-    SIGCONT (in case a test paused one), SIGTERM, then SIGKILL after a bounded wait."""
-    started: list[Proc] = []
-
-    def start(name: str, module: str, *args: str) -> Proc:
-        proc = Proc(name, module, list(args), tmp_path)
-        started.append(proc)
-        return proc
-
-    yield start
-    alive = [p for p in started if p.returncode is None]
-    for proc in alive:
-        proc.signal(signal.SIGCONT)
-        proc.signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10.0
-    for proc in alive:
-        try:
-            proc.popen.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: only this process
-            except ProcessLookupError:
-                pass
-            proc.popen.wait(5.0)
-
 
 def processes_mentioning(marker: str) -> list[str]:
     """Command lines of live processes (other than this one) with an argument that is
