@@ -188,6 +188,15 @@ def cluster(launch):
         c.observer.close()
 
 
+def coordinator_summary(coordinator: Proc) -> dict:
+    """The outcome ps-coordinator prints as it exits (after every live worker was told to
+    stop or declared dead)."""
+    prefix = "ps-coordinator finished: "
+    lines = [line for line in coordinator.stdout().splitlines() if line.startswith(prefix)]
+    assert lines, coordinator.logs()
+    return json.loads(lines[-1][len(prefix):])
+
+
 def assert_exit_0(procs, timeout: float = EXIT_S) -> None:
     deadline = time.monotonic() + timeout
     codes = {p.name: p.wait(max(0.1, deadline - time.monotonic())) for p in procs}
@@ -274,9 +283,13 @@ def test_worker_killed_mid_task_its_task_is_rerun_and_the_job_completes(cluster)
     job, workers = status["job"], workers_of(status)
     assert job["state"] == "done", job
     assert job["tasks_done"] == job["tasks_total"] == SLOW_JOB_TASKS
-    assert workers["w0"]["state"] == "dead"
-    assert workers["w0"]["reason"]
-    assert workers["w0"]["died_at_s"] is not None and workers["w0"]["died_at_s"] > 0
+    # If w0 finished its task just before the kill landed, w1 may end the job before w0's
+    # heartbeat timeout: w0 is then still 'alive' here, and declared dead before the
+    # coordinator exits (checked on its summary below).
+    assert workers["w0"]["state"] in ("dead", "alive")
+    if workers["w0"]["state"] == "dead":
+        assert workers["w0"]["reason"]
+        assert workers["w0"]["died_at_s"] is not None and workers["w0"]["died_at_s"] > 0
     assert workers["w0"]["leased_tasks"] == []
     # Every task was completed once, and w0 completed none after it was killed: the task it
     # held (killed_task, or one it took just before the kill landed) was run by w1.
@@ -288,6 +301,7 @@ def test_worker_killed_mid_task_its_task_is_rerun_and_the_job_completes(cluster)
     assert job["metrics"][-1]["test_accuracy"] >= ACCURACY, job["metrics"]
     c.finish()
     assert_exit_0((w1, *c.daemons))
+    assert coordinator_summary(c.coordinator)["workers_dead"] == ["w0"]
 
 
 # ---- c. a late worker --------------------------------------------------------------------
