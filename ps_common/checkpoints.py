@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ps_common.shardmap import Component, VariableSpec
+from ps_common.shardmap import DENSE, Component, VariableSpec, owners_of
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ MANIFEST = "manifest.json"
 ID_PREFIX = "ckpt-"
 FORMAT = "paramserve-checkpoint"
 VERSION = 1
-_SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16"}
+# int64: an embedding table's per-row adam steps and a dynamic table's ids.
+_SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64"}
 _NUMPY_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 _HASH_BLOCK = 4 << 20
 
@@ -66,6 +67,7 @@ class ShardRecord:
     file: str
     updates: int
     optimizer_steps: int
+    stride: int = 1  # an embedding table's shard (ps_common.shardmap.Shard); 1: dense rows
 
 
 @dataclass
@@ -129,13 +131,17 @@ def spec_to_json(spec: VariableSpec) -> dict:
     return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype,
             "initializer": {"name": spec.initializer.name, **dict(spec.initializer.params)},
             "optimizer": {"name": spec.optimizer.name, **dict(spec.optimizer.params)},
-            "seed": spec.seed}
+            "seed": spec.seed,
+            # Dense variables' documents are as before embedding tables existed.
+            **({} if not spec.is_table else {"kind": spec.kind, "capacity": spec.capacity,
+                                             "ttl_seconds": spec.ttl_seconds})}
 
 
 def spec_from_json(doc: dict) -> VariableSpec:
     return VariableSpec(doc["name"], tuple(int(d) for d in doc["shape"]), doc["dtype"],
                         Component.of(doc["initializer"]), Component.of(doc["optimizer"]),
-                        int(doc["seed"]))
+                        int(doc["seed"]), doc.get("kind", DENSE), int(doc.get("capacity", 0)),
+                        float(doc.get("ttl_seconds", 0.0)))
 
 
 def values_name(variable: str, index: int) -> str:
@@ -377,6 +383,39 @@ class RowSource:
             raise CheckpointError(f"checkpoint {self.manifest.id} covers {covered} of rows "
                                   f"{row_start}:{row_stop} of {spec.name!r}")
         return values, updates, steps
+
+    def load_table(self, spec: VariableSpec, index: int, stride: int, slot_names: list[str],
+                   ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], int, int]:
+        """The rows of embedding table `spec` that belong to shard `index` of `stride`,
+        from whichever checkpointed shards hold them (the checkpoint may have cut the table
+        into another number of shards): (ids, values, slots, updates, optimizer steps)."""
+        saved = self.manifest.variables.get(spec.name)
+        if saved != spec:
+            raise CheckpointError(f"checkpoint {self.manifest.id} holds {spec.name!r} as "
+                                  f"{saved.describe() if saved else 'nothing'}, not "
+                                  f"{spec.describe()}")
+        ids, values, slots = [], [], {name: [] for name in slot_names}
+        updates, steps = 0, 0
+        for record in self.manifest.shards_of(spec.name):
+            source = self._file(record.file)
+            saved_slots = {name: source.array(slot_name(spec.name, record.index, name))
+                           for name in slot_names}
+            if spec.dynamic:
+                saved_ids = np.asarray(saved_slots["ids"])
+                mine = (saved_ids != -1) & (owners_of(spec, saved_ids, stride) == index)
+            else:
+                saved_ids = np.arange(record.row_start, record.row_stop, record.stride)
+                mine = owners_of(spec, saved_ids, stride) == index
+            ids.append(saved_ids[mine])
+            values.append(source.array(values_name(spec.name, record.index))[mine])
+            for name in slot_names:
+                slots[name].append(saved_slots[name][mine])
+            updates, steps = max(updates, record.updates), max(steps, record.optimizer_steps)
+        if not ids:
+            raise CheckpointError(f"checkpoint {self.manifest.id} holds no shard of "
+                                  f"{spec.name!r}")
+        return (np.concatenate(ids), np.concatenate(values),
+                {name: np.concatenate(parts) for name, parts in slots.items()}, updates, steps)
 
     def ledger(self, server_id: str) -> dict | None:
         name = self.manifest.ledgers.get(server_id)

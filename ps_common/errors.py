@@ -25,6 +25,12 @@ class InvalidArgument(PSError):
     code = "INVALID_ARGUMENT"
 
 
+class OutOfRange(PSError):
+    """An id outside a fixed embedding table's rows."""
+
+    code = "OUT_OF_RANGE"
+
+
 class NotFound(PSError):
     code = "NOT_FOUND"
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps_common.errors import InvalidArgument, UnknownVariable
+from ps_common.rows import hash_ids
 
 STORED_DTYPES = ("float32", "float64", "float16")
 
@@ -55,9 +56,20 @@ class Component:
         return f"{self.name}({knobs})"
 
 
+DENSE, EMBEDDING = "dense", "embedding"
+KINDS = (DENSE, EMBEDDING)
+
+
 @dataclass(frozen=True)
 class VariableSpec:
-    """Everything that defines a variable; two declarations agree iff their specs are equal."""
+    """Everything that defines a variable; two declarations agree iff their specs are equal.
+
+    `kind` "embedding" is a table of rows addressed by int64 id, pulled and pushed a few
+    rows at a time (PSClient.pull_rows / push_rows): shape (num_rows, dim), or (0, dim) for
+    a dynamic table whose ids may be any int64 and whose rows are made on first use.
+    `capacity` (rows, 0 = unlimited) and `ttl_seconds` (0 = never) bound a dynamic table:
+    the least recently used rows, and rows untouched for that long, are evicted.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -65,19 +77,55 @@ class VariableSpec:
     initializer: Component = field(default_factory=lambda: Component("zeros"))
     optimizer: Component = field(default_factory=lambda: Component("sgd", (("lr", 0.01),)))
     seed: int = 0
+    kind: str = DENSE
+    capacity: int = 0
+    ttl_seconds: float = 0.0
 
     def __post_init__(self):
         if not self.name:
             raise InvalidArgument("variable name must not be empty")
-        if not self.shape or any(int(d) < 1 for d in self.shape):
+        if self.kind not in KINDS:
+            raise InvalidArgument(f"variable {self.name!r}: kind {self.kind!r} is not one of "
+                                  f"{KINDS}")
+        if self.kind == EMBEDDING:
+            self._check_table()
+        elif not self.shape or any(int(d) < 1 for d in self.shape):
             raise InvalidArgument(
                 f"variable {self.name!r}: shape must have at least one dimension, all >= 1; "
                 f"got {self.shape}"
             )
+        elif self.capacity or self.ttl_seconds:
+            raise InvalidArgument(f"variable {self.name!r}: capacity and ttl_seconds are "
+                                  "settings of dynamic embedding tables only")
         if self.dtype not in STORED_DTYPES:
             raise InvalidArgument(
                 f"variable {self.name!r}: dtype {self.dtype!r} is not one of {STORED_DTYPES}"
             )
+
+    def _check_table(self) -> None:
+        if len(self.shape) != 2 or self.shape[0] < 0 or self.shape[1] < 1:
+            raise InvalidArgument(
+                f"embedding table {self.name!r}: shape must be (num_rows, dim) with dim >= 1 "
+                f"(num_rows 0 for a dynamic table); got {self.shape}")
+        if self.capacity < 0:
+            raise InvalidArgument(f"embedding table {self.name!r}: capacity must be >= 0 "
+                                  f"(0 = unlimited), got {self.capacity}")
+        if not (self.ttl_seconds >= 0 and math.isfinite(self.ttl_seconds)):
+            raise InvalidArgument(f"embedding table {self.name!r}: ttl_seconds must be >= 0 "
+                                  f"(0 = never), got {self.ttl_seconds}")
+        if not self.dynamic and (self.capacity or self.ttl_seconds):
+            raise InvalidArgument(
+                f"embedding table {self.name!r}: capacity and ttl_seconds bound dynamic tables "
+                "(num_rows=None) only; a fixed table holds all its num_rows rows")
+
+    @property
+    def is_table(self) -> bool:
+        return self.kind == EMBEDDING
+
+    @property
+    def dynamic(self) -> bool:
+        """A hash table: any int64 id, rows made on first use (num_rows None)."""
+        return self.kind == EMBEDDING and self.shape[0] == 0
 
     @property
     def rows(self) -> int:
@@ -92,8 +140,12 @@ class VariableSpec:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def describe(self) -> str:
+        table = ""
+        if self.is_table:
+            table = " embedding" + (f" dynamic capacity={self.capacity} "
+                                    f"ttl_seconds={self.ttl_seconds:g}" if self.dynamic else "")
         return (
-            f"{self.name}: shape={list(self.shape)} dtype={self.dtype} "
+            f"{self.name}: shape={list(self.shape)} dtype={self.dtype}{table} "
             f"init={self.initializer.describe()} optimizer={self.optimizer.describe()} "
             f"seed={self.seed}"
         )
@@ -101,23 +153,73 @@ class VariableSpec:
 
 @dataclass(frozen=True)
 class Shard:
-    """Rows [row_start, row_stop) of `variable`, held by `server_id`."""
+    """Rows range(row_start, row_stop, stride) of `variable`, held by `server_id`.
+
+    A dense variable's shards are contiguous (stride 1). An embedding table is cut into
+    `stride` shards by id, so that the hot ids of a skewed (Zipf) distribution, which are
+    the small ones, spread over every server: shard i of a fixed table holds the ids
+    i, i + stride, i + 2 * stride, ... below row_stop (row_start = i); shard i of a dynamic
+    table holds the ids whose hash is i modulo stride, however many (see owners_of).
+    """
 
     variable: str
     index: int
     row_start: int
     row_stop: int
     server_id: str
+    stride: int = 1
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.variable, self.index)
 
+    @property
+    def num_rows(self) -> int:
+        return len(range(self.row_start, self.row_stop, self.stride))
+
     def shape(self, spec: VariableSpec) -> tuple[int, ...]:
-        return (self.row_stop - self.row_start, *spec.shape[1:])
+        return (self.num_rows, *spec.shape[1:])
 
     def nbytes(self, spec: VariableSpec) -> int:
-        return (self.row_stop - self.row_start) * spec.row_elements * np.dtype(spec.dtype).itemsize
+        return self.num_rows * spec.row_elements * np.dtype(spec.dtype).itemsize
+
+    def describe(self) -> str:
+        if self.stride == 1:
+            return f"shard {self.index} of {self.variable!r} (rows {self.row_start}:{self.row_stop})"
+        return f"shard {self.index} of {self.stride} of table {self.variable!r}"
+
+
+def shard_capacity(spec: VariableSpec, shard: Shard) -> int:
+    """A dynamic table shard's share of the table's capacity (0: unlimited). The shares sum
+    to the capacity, so that the table as a whole never holds more rows than that."""
+    if not spec.capacity:
+        return 0
+    base, extra = divmod(spec.capacity, shard.stride)
+    return base + (1 if shard.index < extra else 0)
+
+
+def owners_of(spec: VariableSpec, ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard index (0 .. num_shards - 1) of each id of an embedding table: the id
+    modulo the shard count for a fixed table (its local row is then id // num_shards), a
+    hash of it for a dynamic one (ids there may be anything, strided or clustered)."""
+    if spec.dynamic:
+        return (hash_ids(ids) % np.uint64(num_shards)).astype(np.int64)
+    return ids % num_shards
+
+
+def rows_by_server(spec: VariableSpec, shards: tuple[Shard, ...],
+                   ids: np.ndarray) -> dict[str, list[tuple[Shard, np.ndarray]]]:
+    """Where the rows of `ids` (an embedding table's, `shards` its shards by index) live:
+    per server, each shard holding some of them with their positions in `ids` (ascending)."""
+    owners = owners_of(spec, ids, shards[0].stride)
+    order = np.argsort(owners, kind="stable")
+    groups: dict[str, list[tuple[Shard, np.ndarray]]] = defaultdict(list)
+    start = 0
+    for shard, count in zip(shards, np.bincount(owners, minlength=len(shards)).tolist()):
+        if count:
+            groups[shard.server_id].append((shard, order[start:start + count]))
+        start += count
+    return dict(groups)
 
 
 @dataclass(frozen=True)

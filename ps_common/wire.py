@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ps_common.errors import InvalidArgument
-from ps_common.shardmap import Component, Shard, ShardMap, VariableSpec
+from ps_common.shardmap import DENSE, Component, Shard, ShardMap, VariableSpec
 from ps_common.tensors import dtype_from_proto, dtype_to_proto
 from ps_proto.v1 import tensor_pb2
 
@@ -24,6 +24,9 @@ def spec_to_proto(spec: VariableSpec) -> tensor_pb2.VariableSpec:
         initializer=component_to_proto(spec.initializer),
         optimizer=component_to_proto(spec.optimizer),
         seed=spec.seed,
+        kind="" if spec.kind == DENSE else spec.kind,
+        capacity=spec.capacity,
+        ttl_seconds=spec.ttl_seconds,
     )
 
 
@@ -40,18 +43,22 @@ def spec_from_proto(msg: tensor_pb2.VariableSpec) -> VariableSpec:
         initializer=component_from_proto(msg.initializer),
         optimizer=component_from_proto(msg.optimizer),
         seed=int(msg.seed),
+        kind=msg.kind or DENSE,
+        capacity=int(msg.capacity),
+        ttl_seconds=float(msg.ttl_seconds),
     )
 
 
 def shard_to_proto(s: Shard) -> tensor_pb2.Shard:
     return tensor_pb2.Shard(
         variable=s.variable, index=s.index, row_start=s.row_start, row_stop=s.row_stop,
-        server_id=s.server_id,
+        server_id=s.server_id, stride=s.stride,
     )
 
 
 def shard_from_proto(msg: tensor_pb2.Shard) -> Shard:
-    return Shard(msg.variable, int(msg.index), int(msg.row_start), int(msg.row_stop), msg.server_id)
+    return Shard(msg.variable, int(msg.index), int(msg.row_start), int(msg.row_stop),
+                 msg.server_id, int(msg.stride) or 1)
 
 
 def shardmap_to_proto(m: ShardMap) -> tensor_pb2.ShardMap:

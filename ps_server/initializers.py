@@ -13,7 +13,8 @@ import math
 import numpy as np
 
 from ps_common.errors import InvalidArgument
-from ps_common.shardmap import VariableSpec
+from ps_common.rows import check_ids, id_normal, id_uniform
+from ps_common.shardmap import STORED_DTYPES, Component, VariableSpec
 
 # knob -> default, per initializer
 INITIALIZERS: dict[str, dict[str, float]] = {
@@ -45,6 +46,10 @@ def validate_initializer(spec: VariableSpec) -> None:
         raise InvalidArgument(f"variable {spec.name!r}: normal needs stddev >= 0")
     if spec.seed < 0:
         raise InvalidArgument(f"variable {spec.name!r}: seed must be >= 0, got {spec.seed}")
+    if spec.dynamic and init.name == "glorot_uniform":
+        raise InvalidArgument(f"embedding table {spec.name!r}: glorot_uniform needs the table's "
+                              "number of rows, which a dynamic table does not have; use "
+                              "uniform or normal")
 
 
 def glorot_limit(shape: tuple[int, ...]) -> float:
@@ -93,3 +98,74 @@ def initialize_rows(spec: VariableSpec, row_start: int, row_stop: int,
         lo, hi = max(b_start, row_start), min(b_stop, row_stop)
         flat_out[lo - row_start:hi - row_start] = values[lo - b_start:hi - b_start]
     return out
+
+
+def initialize_ids(initializer: Component, seed: int, ids: np.ndarray, dim: int, dtype: str, *,
+                   num_rows: int | None, out: np.ndarray | None = None) -> np.ndarray:
+    """The initial rows of embedding-table `ids`: shape (len(ids), dim), dtype `dtype`, written
+    into `out` (of exactly that shape and dtype) if given, else into a new array.
+
+    Same initializers and knob defaults as INITIALIZERS. The row of an id is a function of
+    (initializer, seed, id) alone (see ps_common.rows.id_uniform), never of the batch it is
+    generated in, so any server creates the same row for an id, in any run, whatever the
+    number of servers. glorot_uniform's limit is sqrt(6 / (num_rows + dim)); a table of
+    unknown size (num_rows None) cannot use it.
+
+    Values are generated BLOCK_ELEMENTS at a time, so temporaries stay a few MB however many
+    ids there are. Raises InvalidArgument for an unknown initializer or knob, glorot_uniform
+    without num_rows, dim < 1, a dtype that is not stored, or ids check_ids refuses; ValueError
+    for an `out` of the wrong shape or dtype.
+    """
+    ids = check_ids(ids, what=f"initializer {initializer.name}")
+    _check_id_initializer(initializer, dim, dtype, num_rows)
+    shape = (len(ids), dim)
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
+    elif out.shape != shape or out.dtype != np.dtype(dtype):
+        raise ValueError(f"out has shape {out.shape} and dtype {out.dtype}; "
+                         f"expected {shape} and {dtype}")
+    name = initializer.name
+    if name in ("zeros", "constant"):
+        out.fill(initializer.get("value", 0.0) if name == "constant" else 0)
+        return out
+
+    if name == "normal":
+        generate, offset, scale = (id_normal, initializer.get("mean", 0.0),
+                                   initializer.get("stddev", 0.05))
+    else:
+        if name == "glorot_uniform":
+            limit = glorot_limit((num_rows, dim))
+            low, high = -limit, limit
+        else:
+            low, high = initializer.get("minval", -0.05), initializer.get("maxval", 0.05)
+        generate, offset, scale = id_uniform, low, high - low
+    block_ids = max(1, BLOCK_ELEMENTS // dim)
+    for start in range(0, len(ids), block_ids):
+        stop = min(start + block_ids, len(ids))
+        values = generate(seed, ids[start:stop], dim)  # float64, then rounded once to dtype
+        values *= scale
+        values += offset
+        out[start:stop] = values
+    return out
+
+
+def _check_id_initializer(init: Component, dim: int, dtype: str, num_rows: int | None) -> None:
+    if init.name not in INITIALIZERS:
+        raise InvalidArgument(
+            f"unknown initializer {init.name!r}; expected one of {sorted(INITIALIZERS)}"
+        )
+    unknown = set(dict(init.params)) - set(INITIALIZERS[init.name])
+    if unknown:
+        raise InvalidArgument(
+            f"initializer {init.name} has no knob(s) {sorted(unknown)}; "
+            f"it takes {sorted(INITIALIZERS[init.name]) or 'none'}"
+        )
+    if init.name == "glorot_uniform" and num_rows is None:
+        raise InvalidArgument(
+            "glorot_uniform needs the number of rows of the table, and a dynamic table has "
+            "none: use uniform (minval, maxval) or normal (mean, stddev) instead"
+        )
+    if dim < 1:
+        raise InvalidArgument(f"embedding dim must be >= 1, got {dim}")
+    if dtype not in STORED_DTYPES:
+        raise InvalidArgument(f"dtype {dtype!r} is not one of {STORED_DTYPES}")

@@ -29,6 +29,8 @@ class PushHeader:
     epoch: int
     refs: list[tuple[str, int]]
     metas: list[TensorMeta]
+    # Per ref: the ids of an embedding table's rows the tensor is for; None: the whole shard.
+    row_ids: list[np.ndarray | None] | None = None
 
 
 class PushReceiver:
@@ -50,7 +52,7 @@ class PushReceiver:
             for _ in more_data:  # drain: the sender is still streaming
                 pass
             return True
-        targets = self._store.plan_push(header.epoch, header.refs, header.metas)
+        targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
         buffers = [self._buffers.acquire(meta.nbytes) for meta in header.metas]
         try:
             assembler = StreamAssembler(buffers, what="push")
@@ -82,7 +84,7 @@ class PushReceiver:
         _check_identity(header)
         if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
             return True
-        targets = self._store.plan_push(header.epoch, header.refs, header.metas)
+        targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
         total = sum(meta.nbytes for meta in header.metas)
         if total > len(data):
             raise InvalidArgument(f"push names {total} bytes of tensors but its shared-memory "
@@ -105,7 +107,7 @@ class PushReceiver:
                 header.client_id, header.incarnation, header.sequence,
                 header.acked_through) as duplicate:
             if not duplicate:
-                self._store.apply(targets, grads, after_block)
+                self._store.apply(targets, grads, after_block, header.row_ids)
         return duplicate
 
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from ps_common.checkpoints import CheckpointError, RowSource
 from ps_common.shardmap import Shard, VariableSpec
+from ps_server.dynamic_rows import IDS_SLOT
 from ps_server.optimizers import make_state, resolve_knobs
-from ps_server.store import HeldShard
+from ps_server.store import HeldShard, make_shard_state
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +36,16 @@ class ShardRestore:
         self.step = 0
         self._source: RowSource | None = None
         self._memory = None
+        self._new_dynamic = None
 
     def prepare(self, specs: dict[str, VariableSpec], shards: list[Shard],
-                held: set[tuple[Shard, VariableSpec]], memory=None) -> None:
+                held: set[tuple[Shard, VariableSpec]], memory=None,
+                new_dynamic=None) -> None:
         """Read every shard of `shards` named for restore that is not held already, into
-        arrays from `memory` (a store's value memory; ordinary memory if None)."""
+        arrays from `memory` (a store's value memory; ordinary memory if None).
+        `new_dynamic(spec, shard)` makes an empty dynamic table shard (ShardStore.new_dynamic)."""
         self._memory = memory
+        self._new_dynamic = new_dynamic
         wanted = [s for s in shards
                   if s.key in self.shards and (s, specs[s.variable]) not in held]
         if not wanted:
@@ -61,6 +68,8 @@ class ShardRestore:
         self.error, self.unreadable = message, unreadable
 
     def _read(self, spec: VariableSpec, shard: Shard) -> HeldShard:
+        if spec.is_table:
+            return self._read_table(spec, shard)
         state = make_state(spec, shard.shape(spec))
         values = (None if self._memory is None
                   else self._memory.empty(shard.shape(spec), spec.dtype))
@@ -75,6 +84,34 @@ class ShardRestore:
         # At least one update: a restored shard holds trained values and is never dropped
         # or re-created from its initializer.
         return HeldShard(spec, shard, values, state, resolve_knobs(spec), updates=max(updates, 1))
+
+    def _read_table(self, spec: VariableSpec, shard: Shard) -> HeldShard:
+        """A table's rows come back by id, so the checkpoint may have cut it into another
+        number of shards; a dynamic table's come back as the rows it held."""
+        empty = make_shard_state(spec, (0, *spec.shape[1:]))
+        slot_names = sorted(empty.slots) + ([IDS_SLOT] if spec.dynamic else [])
+        ids, values, slots, updates, steps = self._source.load_table(
+            spec, shard.index, shard.stride, slot_names)
+        if spec.dynamic:
+            held = self._new_dynamic(spec, shard)
+            held.dynamic.adopt(np.ascontiguousarray(values), {
+                name: np.ascontiguousarray(array) for name, array in slots.items()})
+            held.sync_pool()
+        else:
+            if len(ids) != shard.num_rows:
+                raise CheckpointError(f"checkpoint {self._source.manifest.id} holds {len(ids)} "
+                                      f"of the {shard.num_rows} rows of {shard.describe()}")
+            local = ids // shard.stride
+            state = make_shard_state(spec, shard.shape(spec))
+            for name, array in slots.items():
+                state.slots[name][local] = array
+            into = (np.empty(shard.shape(spec), spec.dtype) if self._memory is None
+                    else self._memory.empty(shard.shape(spec), spec.dtype))
+            into[local] = values
+            held = HeldShard(spec, shard, into, state, resolve_knobs(spec))
+        held.state.steps = steps
+        held.updates = max(updates, 1)
+        return held
 
     def failure(self, shard: Shard) -> str:
         return self.error or (f"shard {shard.index} of {shard.variable!r} was not restored "

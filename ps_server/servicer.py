@@ -70,8 +70,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             wire = (dtype_from_proto(request.wire_dtype, what="pull wire_dtype")
                     if request.wire_dtype else None)
             plan = self._store.plan_pull(
-                request.epoch, [(r.variable, r.index) for r in request.shards], wire)
-            header = pb.PullHeader(tensors=[meta.to_proto() for _, meta in plan])
+                request.epoch, [(r.variable, r.index) for r in request.shards], wire,
+                row_ids_of(request.shards))
+            header = pb.PullHeader(tensors=[meta.to_proto() for _, meta, _ in plan])
             source = _PullSource(plan, self._chunk_bytes, self._buffers, self._snapshots)
             try:
                 for i, piece in enumerate(source.pieces):
@@ -102,22 +103,27 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             wire = (dtype_from_proto(request.wire_dtype, what="pull wire_dtype")
                     if request.wire_dtype else None)
             plan = self._store.plan_pull(
-                request.epoch, [(r.variable, r.index) for r in request.shards], wire)
-            total = sum(meta.nbytes for _, meta in plan)
+                request.epoch, [(r.variable, r.index) for r in request.shards], wire,
+                row_ids_of(request.shards))
+            total = sum(meta.nbytes for _, meta, _ in plan)
             # Bounded by what one message may carry, not by this server's --chunk-bytes:
             # clients choose the unary call by their own chunk size.
             if total > MAX_CHUNK_BYTES:
                 raise InvalidArgument(f"PullUnary of {total} bytes: more than one message "
                                       f"may carry ({MAX_CHUNK_BYTES} bytes); use Pull")
-            header = pb.PullHeader(tensors=[meta.to_proto() for _, meta in plan]).SerializeToString()
+            header = pb.PullHeader(
+                tensors=[meta.to_proto() for _, meta, _ in plan]).SerializeToString()
             # The message is built in one copy from the shards' values, under their locks
             # (taken in key order, as pushes take them): one consistent cut of all of them.
-            locks = [held.lock for held, _ in sorted(plan, key=lambda pair: pair[0].key)]
+            # (Rows of tables were read already, each shard's at one instant.)
+            locks = [held.lock for held, _, rows in sorted(plan, key=lambda part: part[0].key)
+                     if rows is None]
             for lock in locks:
                 lock.acquire()
             try:
-                return encode_chunk(header, [_wire_bytes(held.values, meta.dtype)
-                                             for held, meta in plan])
+                return encode_chunk(header, [
+                    _wire_bytes(held.values if rows is None else rows, meta.dtype)
+                    for held, meta, rows in plan])
             finally:
                 for lock in locks:
                     lock.release()
@@ -223,7 +229,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         restore = ShardRestore(Path(request.restore.checkpoint),
                                {(r.variable, r.index) for r in request.restore.shards})
         restore.prepare(specs, mine, {(h.shard, h.spec) for h in self._store.held()},
-                        self._store.memory)
+                        self._store.memory, self._store.new_dynamic)
         if request.restore.ledger and restore.created:
             state = restore.ledger(self.server_id)
             if state is not None:
@@ -273,14 +279,16 @@ class _PullSource:
         self._finished: list[np.ndarray] = []
         readers: list[ByteReader] = []
         start = 0
-        for held, meta in plan:
+        for held, meta, rows in plan:
             last = start + meta.nbytes - 1
-            if meta.nbytes == 0 or start // chunk_bytes == last // chunk_bytes:
+            if rows is not None:  # a table's rows: a copy already
+                readers.append(array_reader(rows, meta.dtype))
+            elif meta.nbytes == 0 or start // chunk_bytes == last // chunk_bytes:
                 readers.append(array_reader(held.values, meta.dtype, held.lock))
             else:
                 readers.append(self._snapshot_reader(held, meta))
             start += meta.nbytes
-        self.pieces = iter_chunks([meta.nbytes for _, meta in plan], readers, chunk_bytes)
+        self.pieces = iter_chunks([meta.nbytes for _, meta, _ in plan], readers, chunk_bytes)
 
     def _snapshot_reader(self, held: HeldShard, meta: TensorMeta) -> ByteReader:
         current: list = []  # [buffer, reader of the copy] once the stream reaches the shard
@@ -345,7 +353,24 @@ def _push_header(h: pb.PushHeader) -> PushHeader:
         acked_through=h.acked_through, epoch=h.epoch,
         refs=[(r.variable, r.index) for r in h.shards],
         metas=[TensorMeta.from_proto(t, what=f"push tensor {i}")
-               for i, t in enumerate(h.tensors)])
+               for i, t in enumerate(h.tensors)],
+        row_ids=row_ids_of(h.shards))
+
+
+def row_ids_of(refs) -> list[np.ndarray | None] | None:
+    """The row ids each ShardRef names (None: the whole shard); None if none names any."""
+    if not any(r.row_ids for r in refs):
+        return None
+    ids = []
+    for r in refs:
+        if not r.row_ids:
+            ids.append(None)
+        elif len(r.row_ids) % 8:
+            raise InvalidArgument(f"row ids of {r.variable!r} shard {r.index}: "
+                                  f"{len(r.row_ids)} bytes is not a whole number of int64s")
+        else:
+            ids.append(np.frombuffer(r.row_ids, "<i8"))
+    return ids
 
 
 def _data_only(chunk: Chunk):

@@ -6,21 +6,26 @@ encodes what they return. Everything in a request is checked before anything is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ps_common.errors import (
-    InvalidArgument, NotReady, StaleEpoch, TrainedShardConflict, UnknownVariable,
+    InvalidArgument, NotReady, OutOfRange, StaleEpoch, TrainedShardConflict, UnknownVariable,
 )
-from ps_common.shardmap import Shard, VariableSpec
+from ps_common.rows import dedup, sum_duplicates
+from ps_common.shardmap import Shard, VariableSpec, owners_of, shard_capacity
 from ps_common.shm import VERSION
 from ps_common.tensors import TensorMeta, all_finite, check_narrowing
-from ps_server.initializers import initialize_rows, validate_initializer
+from ps_server.dynamic_rows import IDS_SLOT, DynamicRows
+from ps_server.initializers import initialize_ids, initialize_rows, validate_initializer
 from ps_server.optimizers import ShardOptimizerState, apply_update, make_state, resolve_knobs
 from ps_server.snapshots import UpdateGate
+from ps_server.sparse_optimizers import apply_rows, make_row_slots
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,8 @@ class HeldShard:
     # The header words of the shared-memory segment holding `values` (ps_common.shm), whose
     # sequence lock apply() bumps around every update; None in ordinary memory.
     seqlock: np.ndarray | None = None
+    # A dynamic table's shard: its id -> row index; `values` and `state.slots` are its pool.
+    dynamic: DynamicRows | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -50,7 +57,50 @@ class HeldShard:
 
     def describe(self) -> str:
         s = self.shard
+        if s.stride > 1 or self.spec.is_table:
+            return f"table {s.variable!r} shard {s.index} of {s.stride}"
         return f"variable {s.variable!r} shard {s.index} (rows {s.row_start}:{s.row_stop})"
+
+    def local_rows(self, ids: np.ndarray) -> np.ndarray:
+        """A fixed table shard's rows of `ids` (refused unless every id is this shard's)."""
+        spec, shard = self.spec, self.shard
+        if ids.size and (ids.min() < 0 or ids.max() >= spec.rows):
+            bad = ids[(ids < 0) | (ids >= spec.rows)][0]
+            raise OutOfRange(f"table {spec.name!r}: id {bad} is outside its rows 0:{spec.rows}")
+        if ids.size and np.any(owners_of(spec, ids, shard.stride) != shard.index):
+            raise InvalidArgument(f"{self.describe()}: some ids belong to other shards (the "
+                                  "client's shard map is not this server's)")
+        return ids // shard.stride
+
+    def sync_pool(self) -> None:
+        """After the dynamic table's pool grew: point at its arrays."""
+        self.values, self.state.slots = self.dynamic.values, self.dynamic.slots
+
+    @property
+    def optimizer_slots(self) -> dict[str, np.ndarray]:
+        return {k: v for k, v in self.state.slots.items() if k != IDS_SLOT}
+
+
+def make_shard_state(spec: VariableSpec, shape: tuple[int, ...]) -> ShardOptimizerState:
+    """Fresh optimizer state: dense slots, or a table's per-row ones (lazy: only touched
+    rows' slots ever change)."""
+    return ShardOptimizerState(make_row_slots(spec, shape)) if spec.is_table else \
+        make_state(spec, shape)
+
+
+def _shard_fits(spec: VariableSpec, shard: Shard) -> bool:
+    if spec.is_table:
+        return 0 <= shard.row_start < shard.stride and shard.row_stop == spec.rows
+    return shard.stride == 1 and 0 <= shard.row_start < shard.row_stop <= spec.rows
+
+
+@dataclass(frozen=True)
+class TableStats:
+    variable: str
+    index: int
+    rows: int
+    evictions: int
+    nbytes: int
 
 
 class PlainMemory:
@@ -83,8 +133,9 @@ class AssignOutcome:
 class ShardStore:
     """Thread-safe. Holds shards keyed by (variable, shard index) and the shard-map epoch."""
 
-    def __init__(self, *, allow_non_finite: bool = False, memory=None):
+    def __init__(self, *, allow_non_finite: bool = False, memory=None, clock=time.monotonic):
         self.allow_non_finite = allow_non_finite
+        self.clock = clock  # dynamic tables' ttl
         self.memory = memory or PlainMemory()
         self._shards: dict[tuple[str, int], HeldShard] = {}
         self._epoch = 0
@@ -146,11 +197,8 @@ class ShardStore:
                         f"assignment names shard of undeclared {shard.variable!r}")
                 validate_initializer(spec)
                 resolve_knobs(spec)
-                if not 0 <= shard.row_start < shard.row_stop <= spec.rows:
-                    raise InvalidArgument(
-                        f"shard {shard.index} of {spec.name!r}: rows {shard.row_start}:"
-                        f"{shard.row_stop} outside 0:{spec.rows}"
-                    )
+                if not _shard_fits(spec, shard):
+                    raise InvalidArgument(f"{shard.describe()} does not fit {spec.describe()}")
             with self._assign_lock:
                 with self._lock:
                     if epoch < self._epoch:
@@ -183,10 +231,18 @@ class ShardStore:
                             else:
                                 created[key] = held
                             continue
+                        if spec.dynamic:
+                            created[key] = self.new_dynamic(spec, shard)
+                            continue
                         values = self.memory.empty(shard.shape(spec), spec.dtype)
                         made.append(values)
-                        initialize_rows(spec, shard.row_start, shard.row_stop, out=values)
-                        state = make_state(spec, values.shape)
+                        if spec.is_table:
+                            initialize_ids(spec.initializer, spec.seed, np.arange(
+                                shard.row_start, shard.row_stop, shard.stride), spec.shape[1],
+                                spec.dtype, num_rows=spec.rows, out=values)
+                        else:
+                            initialize_rows(spec, shard.row_start, shard.row_stop, out=values)
+                        state = make_shard_state(spec, values.shape)
                     except MemoryError:
                         failed.append((shard, (
                             f"out of memory creating shard {shard.index} of {spec.name!r} (rows "
@@ -218,6 +274,16 @@ class ShardStore:
         for _, message in failed:
             log.error("%s", message)
         return AssignOutcome(len(created), failed)
+
+    def new_dynamic(self, spec: VariableSpec, shard: Shard) -> HeldShard:
+        dim = spec.shape[1]
+        rows = DynamicRows(
+            dim, spec.dtype, capacity=shard_capacity(spec, shard), ttl_s=spec.ttl_seconds,
+            make_rows=lambda ids: initialize_ids(spec.initializer, spec.seed, ids, dim,
+                                                 spec.dtype, num_rows=None),
+            make_slots=lambda n: make_row_slots(spec, (n, dim)), clock=self.clock)
+        return HeldShard(spec, shard, rows.values, ShardOptimizerState(rows.slots),
+                         resolve_knobs(spec), dynamic=rows)
 
     def check_epoch(self, request_epoch: int) -> None:
         current = self.epoch
@@ -257,19 +323,46 @@ class ShardStore:
 
     # ---- data path ---------------------------------------------------------------------
 
-    def plan_pull(self, epoch: int, refs: list[tuple[str, int]],
-                  wire_dtype: str | None) -> list[tuple[HeldShard, TensorMeta]]:
-        """Validate a pull; returns each shard with the metadata of its wire encoding."""
+    def plan_pull(self, epoch: int, refs: list[tuple[str, int]], wire_dtype: str | None,
+                  row_ids: list[np.ndarray | None] | None = None,
+                  ) -> list[tuple[HeldShard, TensorMeta, np.ndarray | None]]:
+        """Validate a pull; returns each shard with the metadata of its wire encoding, and
+        for a row pull (`row_ids[i]` not None) the rows themselves, read at one instant."""
         self.check_epoch(epoch)
+        row_ids = row_ids or [None] * len(refs)
         plan = []
-        for held in self.lookup(refs):
-            wire = wire_dtype or held.spec.dtype
-            check_narrowing(held.spec.dtype, wire, variable=held.spec.name)
-            plan.append((held, TensorMeta(wire, held.shape)))
+        for held, ids in zip(self.lookup(refs), row_ids):
+            spec = held.spec
+            wire = wire_dtype or spec.dtype
+            check_narrowing(spec.dtype, wire, variable=spec.name)
+            if ids is None:
+                if spec.dynamic:
+                    raise InvalidArgument(f"{held.describe()}: a dynamic table cannot be pulled "
+                                          "whole (its rows are any int64 ids); use pull_rows")
+                plan.append((held, TensorMeta(wire, held.shape), None))
+                continue
+            if not spec.is_table:
+                raise InvalidArgument(f"variable {spec.name!r} is dense, not an embedding "
+                                      "table: pull it whole (pull_rows is for tables)")
+            rows = self._read_rows(held, ids)
+            plan.append((held, TensorMeta(wire, rows.shape), rows))
         return plan
 
-    def plan_push(self, epoch: int, refs: list[tuple[str, int]],
-                  metas: list[TensorMeta]) -> list[HeldShard]:
+    def _read_rows(self, held: HeldShard, ids: np.ndarray) -> np.ndarray:
+        if held.dynamic is None:
+            local = held.local_rows(ids)
+            with held.lock:
+                return held.values[local]
+        unique, inverse = dedup(ids)
+        held.dynamic.check_request(len(unique), held.describe())
+        # Making the rows of unseen ids changes the shard: as a push does (checkpoints).
+        with self._updating([held]):
+            local = held.dynamic.locate(unique)
+            held.sync_pool()
+            return held.values[local[inverse]]
+
+    def plan_push(self, epoch: int, refs: list[tuple[str, int]], metas: list[TensorMeta],
+                  row_ids: list[np.ndarray | None] | None = None) -> list[HeldShard]:
         """Validate a push's header before any of its bytes are accepted."""
         self.check_epoch(epoch)
         if len(refs) != len(metas):
@@ -277,15 +370,27 @@ class ShardStore:
                 f"push header names {len(refs)} shard(s) but describes {len(metas)} tensor(s)"
             )
         targets = self.lookup(refs)
-        for held, meta in zip(targets, metas):
+        for held, meta, ids in zip(targets, metas, row_ids or [None] * len(refs)):
             if meta.dtype not in ("float32", "float64", "float16", "bfloat16"):
                 raise InvalidArgument(f"{held.describe()}: gradient dtype {meta.dtype}")
             check_narrowing(held.spec.dtype, meta.dtype, variable=held.spec.name)
-            if meta.shape != held.shape:
+            if ids is None and held.spec.is_table:
+                raise InvalidArgument(f"{held.describe()}: an embedding table takes gradients "
+                                      "of rows (push_rows), not of the whole table")
+            if ids is not None and not held.spec.is_table:
+                raise InvalidArgument(f"variable {held.spec.name!r} is dense, not an embedding "
+                                      "table: push a gradient of its whole shape")
+            want = held.shape if ids is None else (len(ids), *held.spec.shape[1:])
+            if meta.shape != want:
                 raise InvalidArgument(
-                    f"{held.describe()}: gradient shape {list(meta.shape)} does not match the "
-                    f"shard's shape {list(held.shape)}"
+                    f"{held.describe()}: gradient shape {list(meta.shape)} does not match "
+                    f"{'the shard' if ids is None else 'its ids and the row'}'s shape "
+                    f"{list(want)}"
                 )
+            if ids is not None and held.dynamic is None:
+                held.local_rows(ids)  # every id in range and on this shard
+            elif ids is not None:
+                held.dynamic.check_request(len(np.unique(ids)), held.describe())
         return targets
 
     def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray],
@@ -303,30 +408,85 @@ class ShardStore:
                 )
 
     def apply(self, targets: list[HeldShard], grads: list[np.ndarray],
-              after_block=None) -> None:
+              after_block=None, row_ids: list[np.ndarray | None] | None = None) -> None:
         """Apply validated gradients, all shards or none: locks are taken in key order.
-        `after_block` as for check_gradients."""
-        ordered = sorted(zip(targets, grads), key=lambda pair: pair[0].key)
+        `after_block` as for check_gradients. A row push (`row_ids[i]` not None) sums the
+        gradients of repeated ids and updates the touched rows only."""
+        rows = [None if ids is None else _summed(ids, grad)
+                for ids, grad in zip(row_ids or [None] * len(targets), grads)]
+        with self._updating(targets):
+            for held, grad, touched in zip(targets, grads, rows):
+                if held.seqlock is not None:
+                    held.seqlock[VERSION] += 1  # odd: readers of the segment retry
+                try:
+                    if touched is None:
+                        apply_update(held.spec, held.knobs, held.values, held.state, grad,
+                                     after_block)
+                    else:
+                        self._apply_rows(held, *touched)
+                finally:
+                    if held.seqlock is not None:
+                        held.seqlock[VERSION] += 1
+                held.updates += 1
+
+    @staticmethod
+    def _apply_rows(held: HeldShard, ids: np.ndarray, grad: np.ndarray) -> None:
+        if held.dynamic is None:
+            local = ids // held.shard.stride
+        else:
+            # Rows evicted since (or never pulled) are made from the initializer first.
+            local = held.dynamic.locate(ids)
+            held.sync_pool()
+        held.state.steps += 1
+        apply_rows(held.spec, held.knobs, held.values, held.optimizer_slots, local, grad)
+
+    @contextlib.contextmanager
+    def _updating(self, targets: list[HeldShard]):
+        """Hold the locks of `targets` (in key order) while the body changes them, once a
+        checkpoint being written has what it needs of them (it preserves them as they were
+        at its cut, or, past its memory bound, the update waits for their turn)."""
+        ordered = sorted(targets, key=lambda held: held.key)
         while True:
-            for held, _ in ordered:
+            for held in ordered:
                 held.lock.acquire()
             try:
                 capture = self._capture
-                blocked = capture.preserve([h for h, _ in ordered]) if capture else None
+                blocked = capture.preserve(ordered) if capture else None
                 if blocked is None:
-                    for held, grad in ordered:
-                        if held.seqlock is not None:
-                            held.seqlock[VERSION] += 1  # odd: readers of the segment retry
-                        try:
-                            apply_update(held.spec, held.knobs, held.values, held.state, grad,
-                                         after_block)
-                        finally:
-                            if held.seqlock is not None:
-                                held.seqlock[VERSION] += 1
-                        held.updates += 1
+                    yield
                     return
             finally:
-                for held, _ in ordered:
+                for held in ordered:
                     held.lock.release()
             capture.wait_written(blocked)  # the checkpoint's copies are at their bound
 
+    def expire_rows(self) -> int:
+        """Evict the rows of dynamic tables untouched for their ttl (requests do it too,
+        on the shards they touch; this reaches the others). Returns how many."""
+        evicted = 0
+        for held in self.held():
+            if held.dynamic is not None and held.dynamic.ttl_s:
+                with self._updating([held]):
+                    evicted += held.dynamic.expire()
+        return evicted
+
+    def table_stats(self) -> list[TableStats]:
+        """Per embedding-table shard: rows held, evictions so far, bytes of its arrays."""
+        stats = []
+        for held in self.held():
+            if not held.spec.is_table:
+                continue
+            with held.lock:
+                if held.dynamic is not None:
+                    stats.append(TableStats(*held.key, held.dynamic.rows_held,
+                                            held.dynamic.evictions, held.dynamic.nbytes))
+                else:
+                    stats.append(TableStats(*held.key, held.shape[0], 0, held.values.nbytes + sum(
+                        a.nbytes for a in held.state.slots.values())))
+        return stats
+
+
+def _summed(ids: np.ndarray, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct ids and the sum of each one's gradient rows."""
+    unique, inverse = dedup(ids)
+    return unique, sum_duplicates(grad, inverse, len(unique))

@@ -29,11 +29,14 @@ import grpc
 import numpy as np
 
 from ps_common.errors import InvalidArgument
+from ps_common.rows import check_ids, dedup, sum_duplicates
 from ps_common.rpc import (
     DEFAULT_CHUNK_BYTES, READ_RETRY_CODES, RetryPolicy, call_with_retry, check_chunk_bytes,
     make_channel,
 )
-from ps_common.shardmap import Component, Shard, ShardMap, VariableSpec
+from ps_common.shardmap import (
+    EMBEDDING, Component, Shard, ShardMap, VariableSpec, rows_by_server,
+)
 from ps_common.status import RemoteError
 from ps_common.tensors import (
     WIRE_DTYPES, StreamAssembler, TensorMeta, all_finite, array_reader, decode_chunk,
@@ -105,6 +108,11 @@ class _Piece:
     shard: Shard
     grad: np.ndarray  # C-contiguous, in the wire dtype's raw element type
     wire_dtype: str
+    row_ids: np.ndarray | None = None  # an embedding table's rows the gradient is for
+
+    def ref(self) -> ps_pb.ShardRef:
+        return ps_pb.ShardRef(variable=self.shard.variable, index=self.shard.index,
+                              row_ids=b"" if self.row_ids is None else self.row_ids.tobytes())
 
 
 class PSClient:
@@ -371,6 +379,34 @@ class PSClient:
             target=self.coordinator, policy=self._retry, stop=self._interrupted)
         return self._adopt(shardmap_from_proto(reply))
 
+    def declare_embedding(self, name: str, dim: int, num_rows: int | None = None, *,
+                          dtype: str = "float32", init="uniform", optimizer="sgd",
+                          seed: int = 0, capacity: int | None = None,
+                          ttl_seconds: float | None = None) -> VariableSpec:
+        """Declare an embedding table: `num_rows` x `dim`, or with `num_rows=None` a dynamic
+        table whose ids may be any int64 (a row is made from the seeded initializer the first
+        time its id is pulled or pushed: the same id gets the same initial row on any server,
+        in any run). A dynamic table holds at most `capacity` rows (the least recently used
+        are evicted first) and evicts rows untouched for `ttl_seconds`; a pull or push of an
+        evicted id makes its row afresh from the initializer. Rows are spread over every
+        server by id. `init` and `optimizer` as for `declare` ("uniform" is +-0.05); the
+        optimizers update touched rows only (adam counts steps per row).
+        Raises RemoteError as `declare` does."""
+        try:
+            spec = VariableSpec(
+                name=name, shape=(0 if num_rows is None else int(num_rows), int(dim)),
+                dtype=str(dtype), initializer=Component.of(init),
+                optimizer=Component.of(optimizer), seed=int(seed), kind=EMBEDDING,
+                capacity=0 if capacity is None else int(capacity),
+                ttl_seconds=0.0 if ttl_seconds is None else float(ttl_seconds))
+            if num_rows is not None and int(num_rows) < 1:
+                raise InvalidArgument(f"embedding table {name!r}: num_rows must be >= 1, or "
+                                      "None for a dynamic table")
+        except InvalidArgument as error:
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+        self.declare_many([spec])
+        return spec
+
     @staticmethod
     def _spec(name, shape, dtype, init, optimizer, seed) -> VariableSpec:
         try:
@@ -397,6 +433,10 @@ class PSClient:
             shard_map = self._map_with(wanted)
             for name in wanted:
                 self._check_wire_dtype(shard_map.spec(name), wire_dtype)
+                if shard_map.spec(name).dynamic:
+                    raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"{name!r} is a dynamic embedding table: its rows are "
+                                       "any int64 ids, it cannot be pulled whole; use pull_rows")
             outputs = {n: self._output(shard_map.spec(n), out) for n in wanted}
             try:
                 self._run_per_server(shard_map, wanted, lambda sid, shards: self._pull_from(
@@ -460,9 +500,10 @@ class PSClient:
         destinations, conversions = [], []
         for shard in shards:
             spec = shard_map.variables[shard.variable]
-            rows = outputs[shard.variable][shard.row_start:shard.row_stop]
+            # A table's shard is every stride-th row: it lands in a buffer first.
+            rows = outputs[shard.variable][shard.row_start:shard.row_stop:shard.stride]
             wire = wire_dtype or spec.dtype
-            if wire != spec.dtype:
+            if wire != spec.dtype or shard.stride > 1:
                 raw = np.empty(rows.shape, wire_raw_dtype(wire))
                 destinations.append(raw)
                 conversions.append((rows, raw, wire))
@@ -473,11 +514,19 @@ class PSClient:
             shards=[ps_pb.ShardRef(variable=s.variable, index=s.index) for s in shards],
             wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0,
         )
-        nbytes = sum(d.nbytes for d in destinations)
-        address = shard_map.servers[server_id]
-        stub = self._stub(address)
-        if self._pull_shared(shard_map, server_id, shards, outputs, wire_dtype):
+        if all(s.stride == 1 for s in shards) and self._pull_shared(
+                shard_map, server_id, shards, outputs, wire_dtype):
             return
+        self._receive(shard_map, server_id, request, destinations)
+        for rows, raw, wire in conversions:
+            rows[...] = from_wire(raw, wire)
+
+    def _receive(self, shard_map: ShardMap, server_id: str, request: ps_pb.PullRequest,
+                 destinations: list[np.ndarray]) -> None:
+        """A pull over gRPC, its tensors' bytes landing in `destinations` in order: one
+        unary call when they fit one message, else a stream."""
+        nbytes = sum(d.nbytes for d in destinations)
+        stub = self._stub(shard_map.servers[server_id])
 
         def attempt():
             assembler = StreamAssembler(destinations, what=f"pull from {server_id}")
@@ -492,8 +541,6 @@ class PSClient:
             assembler.finish()
 
         self._call_server(attempt, shard_map, server_id, self._read_retry)
-        for rows, raw, wire in conversions:
-            rows[...] = from_wire(raw, wire)
 
     def _pull_shared(self, shard_map: ShardMap, server_id: str, shards: list[Shard],
                      outputs: dict[str, np.ndarray], wire_dtype: str | None) -> bool:
@@ -557,6 +604,117 @@ class PSClient:
         with self._lock:
             return dict(sorted(self._paths.items()))
 
+    # ---- embedding tables --------------------------------------------------------------
+
+    def pull_rows(self, name: str, ids, *, out: np.ndarray | None = None,
+                  wire_dtype: str | None = None) -> np.ndarray:
+        """The rows of table `name` for `ids` (int64, any order, repeats allowed), as an array
+        `(len(ids), dim)` in the order of `ids`: `out` if given (C-contiguous, that shape and
+        the table's dtype). Each distinct id is fetched once, each server asked for its rows
+        only, all servers at once. A dynamic table makes the rows of ids it has not seen.
+        Raises RemoteError: INVALID_ARGUMENT (not a table, ids not int64, bad `out` or
+        wire dtype), OUT_OF_RANGE (an id outside a fixed table's rows), NOT_FOUND."""
+        ids = self._row_ids(name, ids)
+        for _ in range(MAX_MAP_REFRESHES):
+            shard_map = self._map_with([name])
+            spec = self._table(shard_map, name, ids)
+            self._check_wire_dtype(spec, wire_dtype)
+            result = self._rows_output(spec, len(ids), out)
+            unique, inverse = dedup(ids)
+            rows = np.empty((len(unique), spec.shape[1]), spec.dtype)
+            groups = rows_by_server(spec, shard_map.shards_of(name), unique)
+            try:
+                self._run_groups(groups, lambda server_id, parts: self._pull_rows_from(
+                    shard_map, server_id, parts, unique, rows, wire_dtype))
+            except RemoteError as error:
+                if not self._map_moved(shard_map, error):
+                    raise
+                continue
+            return np.take(rows, inverse, axis=0, out=result)
+        raise _local_error(grpc.StatusCode.ABORTED,
+                           f"shard map kept changing during {MAX_MAP_REFRESHES} pull attempts")
+
+    def pull_rows_async(self, name: str, ids, *, out: np.ndarray | None = None,
+                        wire_dtype: str | None = None) -> futures.Future:
+        """`pull_rows` in the background; returns a Future of its array."""
+        return self._prefetch_pool.submit(self.pull_rows, name, ids, out=out,
+                                          wire_dtype=wire_dtype)
+
+    def push_rows(self, name: str, ids, grads, *, wire_dtype: str | None = None) -> None:
+        """Gradients of the rows of table `name` for `ids` (int64, any order; the gradients
+        of repeated ids are summed): `grads` is `(len(ids), dim)`. Each server gets the
+        summed gradients of its rows, all servers at once, and applies its part once and
+        all-or-nothing, as `push` does (see there for errors and partial failure).
+        Raises RemoteError as `pull_rows` and `push` do."""
+        ids = self._row_ids(name, ids)
+        shard_map = self._map_with([name])
+        spec = self._table(shard_map, name, ids)
+        encoded, wire = self._encode(spec, np.asarray(grads), (len(ids), spec.shape[1]),
+                                     wire_dtype)
+        unique, inverse = dedup(ids)
+        summed = sum_duplicates(from_wire(encoded, wire), inverse, len(unique))
+        summed, wire = self._encode(spec, summed, summed.shape, wire)  # sums may overflow
+        pieces = [_Piece(shard, np.ascontiguousarray(summed[positions]), wire, unique[positions])
+                  for parts in rows_by_server(spec, shard_map.shards_of(name), unique).values()
+                  for shard, positions in parts]
+        self._send(shard_map, pieces)
+
+    def push_rows_async(self, name: str, ids, grads, *,
+                        wire_dtype: str | None = None) -> futures.Future:
+        """`push_rows` in the background, in the same window as `push_async` (`flush`
+        waits for both). The caller must not modify `ids` or `grads` until it is done."""
+        return self._push_in_background(self.push_rows, name, ids, grads, wire_dtype=wire_dtype)
+
+    @staticmethod
+    def _row_ids(name: str, ids) -> np.ndarray:
+        try:
+            return check_ids(ids, what=f"ids of table {name!r}")
+        except InvalidArgument as error:
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+
+    @staticmethod
+    def _table(shard_map: ShardMap, name: str, ids: np.ndarray) -> VariableSpec:
+        spec = shard_map.spec(name)
+        if not spec.is_table:
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {name!r} is dense, not an embedding table: use pull "
+                               "and push (pull_rows and push_rows are for tables)")
+        if not spec.dynamic and ids.size and (ids.min() < 0 or ids.max() >= spec.rows):
+            bad = ids[(ids < 0) | (ids >= spec.rows)][0]
+            raise _local_error(grpc.StatusCode.OUT_OF_RANGE,
+                               f"table {name!r}: id {bad} is outside its rows 0:{spec.rows}")
+        return spec
+
+    @staticmethod
+    def _rows_output(spec: VariableSpec, count: int, out: np.ndarray | None) -> np.ndarray:
+        shape = (count, spec.shape[1])
+        if out is None:
+            return np.empty(shape, spec.dtype)
+        if (tuple(out.shape) != shape or out.dtype != np.dtype(spec.dtype)
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"out must be a writable C-contiguous {spec.dtype} array of shape "
+                               f"{shape} for table {spec.name!r}, got {out.dtype} {out.shape}")
+        return out
+
+    def _pull_rows_from(self, shard_map: ShardMap, server_id: str,
+                        parts: list[tuple[Shard, np.ndarray]], unique: np.ndarray,
+                        rows: np.ndarray, wire_dtype: str | None) -> None:
+        """`rows[positions]` = the rows of ids `unique[positions]`, for each (shard,
+        positions) part, from one server."""
+        spec = shard_map.variables[parts[0][0].variable]
+        wire = wire_dtype or spec.dtype
+        ids = [unique[positions] for _, positions in parts]
+        received = [np.empty((len(p), spec.shape[1]), wire_raw_dtype(wire)) for _, p in parts]
+        request = ps_pb.PullRequest(
+            epoch=shard_map.epoch,
+            shards=[ps_pb.ShardRef(variable=s.variable, index=s.index, row_ids=i.tobytes())
+                    for (s, _), i in zip(parts, ids)],
+            wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0)
+        self._receive(shard_map, server_id, request, received)
+        for (_, positions), raw in zip(parts, received):
+            rows[positions] = from_wire(raw, wire)
+
     # ---- push --------------------------------------------------------------------------
 
     def push(self, grads: Mapping[str, np.ndarray], *, wire_dtype: str | None = None) -> None:
@@ -576,7 +734,10 @@ class PSClient:
         the server's status after retries are exhausted.
         """
         shard_map = self._map_with(list(grads))
-        pieces = self._split(shard_map, grads, wire_dtype)
+        self._send(shard_map, self._split(shard_map, grads, wire_dtype))
+
+    def _send(self, shard_map: ShardMap, pieces: list[_Piece]) -> None:
+        """Push `pieces`, one call per server in parallel (see `push`)."""
         # One sequence per (server, exact set of shards), kept across map refreshes: a part
         # whose response was lost and that is then refused as stale goes out again under the
         # same identity, so a server that did apply it answers 'duplicate' instead of applying
@@ -629,9 +790,12 @@ class PSClient:
                    wire_dtype: str | None = None) -> futures.Future:
         """`push` in the background; returns a Future. Blocks while `max_in_flight_pushes`
         pushes are already in flight. The caller must not modify `grads` until it is done."""
+        return self._push_in_background(self.push, grads, wire_dtype=wire_dtype)
+
+    def _push_in_background(self, push, *args, **kwargs) -> futures.Future:
         self._window.acquire()
         try:
-            future = self._async_pool.submit(self.push, grads, wire_dtype=wire_dtype)
+            future = self._async_pool.submit(push, *args, **kwargs)
         except BaseException:
             self._window.release()
             raise
@@ -665,42 +829,54 @@ class PSClient:
         pieces = []
         for name, grad in grads.items():
             spec = shard_map.spec(name)
-            grad = np.asarray(grad)
-            if grad.dtype.kind != "f":
+            if spec.is_table:
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"variable {name!r}: gradient dtype {grad.dtype} is not a float "
-                                   f"dtype; expected {spec.dtype}")
-            wire = wire_dtype or grad.dtype.name
-            if wire not in WIRE_DTYPES:
-                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"variable {name!r}: wire dtype {wire} is not one of "
-                                   f"{WIRE_DTYPES}")
-            if tuple(grad.shape) != spec.shape:
-                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"variable {name!r}: gradient shape {list(grad.shape)} does not "
-                                   f"match the variable's shape {list(spec.shape)}")
-            if wire_itemsize(wire) > np.dtype(spec.dtype).itemsize:
-                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"variable {name!r}: gradient dtype {wire} is wider than the "
-                                   f"variable's dtype {spec.dtype}")
-            with np.errstate(over="ignore"):
-                encoded = to_wire(grad, wire)
-            # Checked after narrowing: a value that overflows the wire dtype becomes Inf.
-            decoded = from_wire(encoded, wire)
-            if not self._allow_non_finite and decoded.size and not all_finite(decoded):
-                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"variable {name!r}: gradient has non-finite values (NaN or "
-                                   f"Inf) in wire dtype {wire}; nothing was applied")
+                                   f"{name!r} is an embedding table: push gradients of the rows "
+                                   "a step used with push_rows")
+            encoded, wire = self._encode(spec, np.asarray(grad), spec.shape, wire_dtype)
             for shard in shard_map.shards_of(name):
                 pieces.append(_Piece(shard, encoded[shard.row_start:shard.row_stop], wire))
         return pieces
 
+    def _encode(self, spec: VariableSpec, grad: np.ndarray, shape: tuple[int, ...],
+                wire_dtype: str | None) -> tuple[np.ndarray, str]:
+        """A gradient checked (dtype, `shape`, finiteness) and encoded in its wire dtype."""
+        name = spec.name
+        if grad.dtype.kind != "f":
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {name!r}: gradient dtype {grad.dtype} is not a float "
+                               f"dtype; expected {spec.dtype}")
+        wire = wire_dtype or grad.dtype.name
+        if wire not in WIRE_DTYPES:
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {name!r}: wire dtype {wire} is not one of "
+                               f"{WIRE_DTYPES}")
+        if tuple(grad.shape) != tuple(shape):
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {name!r}: gradient shape {list(grad.shape)} does not "
+                               f"match {'its ids and the rows' if spec.is_table else 'the variable'}"
+                               f"'s shape {list(shape)}")
+        if wire_itemsize(wire) > np.dtype(spec.dtype).itemsize:
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {name!r}: gradient dtype {wire} is wider than the "
+                               f"variable's dtype {spec.dtype}")
+        with np.errstate(over="ignore"):
+            encoded = to_wire(grad, wire)
+        # Checked after narrowing: a value that overflows the wire dtype becomes Inf.
+        decoded = from_wire(encoded, wire)
+        if not self._allow_non_finite and decoded.size and not all_finite(decoded):
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {name!r}: gradient has non-finite values (NaN or "
+                               f"Inf) in wire dtype {wire}; nothing was applied")
+        return encoded, wire
+
     @staticmethod
     def _relocate(shard_map: ShardMap, piece: _Piece) -> _Piece:
         for shard in shard_map.shards_of(piece.shard.variable):
-            if (shard.index, shard.row_start, shard.row_stop) == (
-                    piece.shard.index, piece.shard.row_start, piece.shard.row_stop):
-                return _Piece(shard, piece.grad, piece.wire_dtype)
+            if (shard.index, shard.row_start, shard.row_stop, shard.stride) == (
+                    piece.shard.index, piece.shard.row_start, piece.shard.row_stop,
+                    piece.shard.stride):
+                return _Piece(shard, piece.grad, piece.wire_dtype, piece.row_ids)
         raise _local_error(grpc.StatusCode.ABORTED,
                            f"variable {piece.shard.variable!r} was re-sharded during a push")
 
@@ -721,8 +897,7 @@ class PSClient:
             return ps_pb.PushHeader(
                 client_id=self.client_id, incarnation=incarnation, sequence=sequence,
                 acked_through=self._acked(server_id), epoch=shard_map.epoch,
-                shards=[ps_pb.ShardRef(variable=p.shard.variable, index=p.shard.index)
-                        for p in pieces],
+                shards=[p.ref() for p in pieces],
                 tensors=[TensorMeta(p.wire_dtype, p.grad.shape).to_proto() for p in pieces],
             )
 

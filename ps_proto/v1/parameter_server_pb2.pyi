@@ -25,17 +25,24 @@ class ShardRef(_message.Message):
 
     VARIABLE_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    ROW_IDS_FIELD_NUMBER: _builtins.int
     variable: _builtins.str
     index: _builtins.int
+    row_ids: _builtins.bytes
+    """Embedding tables: the ids (int64, little-endian) of the rows a pull or push is about,
+    in the order of its tensor's rows; duplicates allowed (a push sums their gradients).
+    Empty: the whole shard.
+    """
     def __init__(
         self,
         *,
         variable: _builtins.str = ...,
         index: _builtins.int = ...,
+        row_ids: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "variable", b"variable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "row_ids", b"row_ids", "variable", b"variable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ps_proto/v1/tensor.proto\x12\x05ps.v1\"8\n\nTensorMeta\x12\x1b\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0c.ps.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\"v\n\tComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06params\x18\x02 \x03(\x0b\x32\x1c.ps.v1.Component.ParamsEntry\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa2\x01\n\x0cVariableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1b\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0c.ps.v1.DType\x12%\n\x0binitializer\x18\x04 \x01(\x0b\x32\x10.ps.v1.Component\x12#\n\toptimizer\x18\x05 \x01(\x0b\x32\x10.ps.v1.Component\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"`\n\x05Shard\x12\x10\n\x08variable\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\trow_start\x18\x03 \x01(\x03\x12\x10\n\x08row_stop\x18\x04 \x01(\x03\x12\x11\n\tserver_id\x18\x05 \x01(\t\"0\n\nServerInfo\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x83\x01\n\x08ShardMap\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\"\n\x07servers\x18\x02 \x03(\x0b\x32\x11.ps.v1.ServerInfo\x12&\n\tvariables\x18\x03 \x03(\x0b\x32\x13.ps.v1.VariableSpec\x12\x1c\n\x06shards\x18\x04 \x03(\x0b\x32\x0c.ps.v1.Shard\":\n\nStaleEpoch\x12\x15\n\rrequest_epoch\x18\x01 \x01(\x03\x12\x15\n\rcurrent_epoch\x18\x02 \x01(\x03*S\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ps_proto/v1/tensor.proto\x12\x05ps.v1\"8\n\nTensorMeta\x12\x1b\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0c.ps.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\"v\n\tComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06params\x18\x02 \x03(\x0b\x32\x1c.ps.v1.Component.ParamsEntry\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd7\x01\n\x0cVariableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1b\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0c.ps.v1.DType\x12%\n\x0binitializer\x18\x04 \x01(\x0b\x32\x10.ps.v1.Component\x12#\n\toptimizer\x18\x05 \x01(\x0b\x32\x10.ps.v1.Component\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\x03\x12\x13\n\x0bttl_seconds\x18\t \x01(\x01\"p\n\x05Shard\x12\x10\n\x08variable\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\trow_start\x18\x03 \x01(\x03\x12\x10\n\x08row_stop\x18\x04 \x01(\x03\x12\x11\n\tserver_id\x18\x05 \x01(\t\x12\x0e\n\x06stride\x18\x06 \x01(\x03\"0\n\nServerInfo\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x83\x01\n\x08ShardMap\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\"\n\x07servers\x18\x02 \x03(\x0b\x32\x11.ps.v1.ServerInfo\x12&\n\tvariables\x18\x03 \x03(\x0b\x32\x13.ps.v1.VariableSpec\x12\x1c\n\x06shards\x18\x04 \x03(\x0b\x32\x0c.ps.v1.Shard\":\n\nStaleEpoch\x12\x15\n\rrequest_epoch\x18\x01 \x01(\x03\x12\x15\n\rcurrent_epoch\x18\x02 \x01(\x03*S\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMPONENT_PARAMSENTRY']._loaded_options = None
   _globals['_COMPONENT_PARAMSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=720
-  _globals['_DTYPE']._serialized_end=803
+  _globals['_DTYPE']._serialized_start=789
+  _globals['_DTYPE']._serialized_end=872
   _globals['_TENSORMETA']._serialized_start=35
   _globals['_TENSORMETA']._serialized_end=91
   _globals['_COMPONENT']._serialized_start=93
@@ -42,13 +42,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPONENT_PARAMSENTRY']._serialized_start=166
   _globals['_COMPONENT_PARAMSENTRY']._serialized_end=211
   _globals['_VARIABLESPEC']._serialized_start=214
-  _globals['_VARIABLESPEC']._serialized_end=376
-  _globals['_SHARD']._serialized_start=378
-  _globals['_SHARD']._serialized_end=474
-  _globals['_SERVERINFO']._serialized_start=476
-  _globals['_SERVERINFO']._serialized_end=524
-  _globals['_SHARDMAP']._serialized_start=527
-  _globals['_SHARDMAP']._serialized_end=658
-  _globals['_STALEEPOCH']._serialized_start=660
-  _globals['_STALEEPOCH']._serialized_end=718
+  _globals['_VARIABLESPEC']._serialized_end=429
+  _globals['_SHARD']._serialized_start=431
+  _globals['_SHARD']._serialized_end=543
+  _globals['_SERVERINFO']._serialized_start=545
+  _globals['_SERVERINFO']._serialized_end=593
+  _globals['_SHARDMAP']._serialized_start=596
+  _globals['_SHARDMAP']._serialized_end=727
+  _globals['_STALEEPOCH']._serialized_start=729
+  _globals['_STALEEPOCH']._serialized_end=787
 # @@protoc_insertion_point(module_scope)

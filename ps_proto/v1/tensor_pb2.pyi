@@ -125,9 +125,21 @@ class VariableSpec(_message.Message):
     INITIALIZER_FIELD_NUMBER: _builtins.int
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: Global___DType.ValueType
     seed: _builtins.int
+    kind: _builtins.str
+    """"" or "dense": a dense variable. "embedding": a table of rows addressed by int64 id,
+    shape (num_rows, dim), or (0, dim) for a dynamic table (rows made on first use).
+    """
+    capacity: _builtins.int
+    """Dynamic tables only: most rows held (0 = unlimited; least recently used evicted first)
+    and seconds a row may go untouched before it is evicted (0 = never).
+    """
+    ttl_seconds: _builtins.float
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -143,10 +155,13 @@ class VariableSpec(_message.Message):
         initializer: Global___Component | None = ...,
         optimizer: Global___Component | None = ...,
         seed: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        capacity: _builtins.int = ...,
+        ttl_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["initializer", b"initializer", "optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "initializer", b"initializer", "name", b"name", "optimizer", b"optimizer", "seed", b"seed", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "dtype", b"dtype", "initializer", b"initializer", "kind", b"kind", "name", b"name", "optimizer", b"optimizer", "seed", b"seed", "shape", b"shape", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -154,7 +169,10 @@ Global___VariableSpec: _TypeAlias = VariableSpec  # noqa: Y015
 
 @_typing.final
 class Shard(_message.Message):
-    """A contiguous range of rows [row_start, row_stop) of one variable, placed on one server."""
+    """The rows range(row_start, row_stop, stride) of one variable, placed on one server: a
+    contiguous range for dense variables (stride 1); for embedding tables, the ids of one
+    residue class (fixed tables: id % stride == index; dynamic: a hash of the id).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -163,11 +181,14 @@ class Shard(_message.Message):
     ROW_START_FIELD_NUMBER: _builtins.int
     ROW_STOP_FIELD_NUMBER: _builtins.int
     SERVER_ID_FIELD_NUMBER: _builtins.int
+    STRIDE_FIELD_NUMBER: _builtins.int
     variable: _builtins.str
     index: _builtins.int
     row_start: _builtins.int
     row_stop: _builtins.int
     server_id: _builtins.str
+    stride: _builtins.int
+    """0 means 1."""
     def __init__(
         self,
         *,
@@ -176,10 +197,11 @@ class Shard(_message.Message):
         row_start: _builtins.int = ...,
         row_stop: _builtins.int = ...,
         server_id: _builtins.str = ...,
+        stride: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "row_start", b"row_start", "row_stop", b"row_stop", "server_id", b"server_id", "variable", b"variable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "row_start", b"row_start", "row_stop", b"row_stop", "server_id", b"server_id", "stride", b"stride", "variable", b"variable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

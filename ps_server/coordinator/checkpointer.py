@@ -188,7 +188,7 @@ class Checkpointer:
                     updates, steps, file = got
                     shards.append(ShardRecord(name, shard.index, shard.row_start,
                                               shard.row_stop, shard.server_id, file, updates,
-                                              steps))
+                                              steps, shard.stride))
             manifest = Manifest(
                 id=directory.name, step=step, epoch=shard_map.epoch, created_unix_s=time.time(),
                 variables=dict(shard_map.variables), shards=shards, files=files,

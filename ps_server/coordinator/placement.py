@@ -3,18 +3,21 @@
 Variables are placed in declaration order. A variable at or under the split threshold goes
 whole to the server with the smallest footprint (values plus optimizer slots). A larger one
 is cut by rows into min(servers, rows, ceil(bytes / threshold)) near-equal shards, placed on
-distinct servers, least loaded first. A server's memory budget (0 = none) is never exceeded.
+distinct servers, least loaded first. An embedding table, whatever its size, is cut by id
+into one shard per server (ps_common.shardmap.Shard), so that every server serves its share
+of the rows each step touches. A server's memory budget (0 = none) is never exceeded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from ps_common.errors import NotReady, ResourceExhausted
-from ps_common.shardmap import Shard, ShardMap, VariableSpec, split_rows
+from ps_common.errors import InvalidArgument, NotReady, ResourceExhausted
+from ps_common.shardmap import Shard, ShardMap, VariableSpec, shard_capacity, split_rows
 from ps_server.optimizers import SLOTS, compute_dtype
 
 
@@ -26,10 +29,20 @@ class Candidate:
 
 
 def footprint(spec: VariableSpec, rows: int) -> int:
-    """Bytes a shard of `rows` rows costs its server: values plus optimizer slots."""
+    """Bytes a shard of `rows` rows costs its server: values plus optimizer slots (and a
+    table's per-row step count under adam)."""
     slots = len(SLOTS.get(spec.optimizer.name, ()))
     element_bytes = np.dtype(spec.dtype).itemsize + slots * compute_dtype(spec.dtype).itemsize
-    return rows * spec.row_elements * element_bytes
+    row_steps = 8 if spec.is_table and spec.optimizer.name == "adam" else 0
+    return rows * (spec.row_elements * element_bytes + row_steps)
+
+
+def shard_rows(spec: VariableSpec, shard: Shard) -> int:
+    """The rows a shard holds, or for a dynamic table the most it may hold (its share of
+    the capacity; 0 when unlimited: it grows with the ids seen)."""
+    if spec.dynamic:
+        return shard_capacity(spec, shard)
+    return shard.num_rows
 
 
 def server_loads(current: ShardMap) -> dict[str, int]:
@@ -37,7 +50,7 @@ def server_loads(current: ShardMap) -> dict[str, int]:
     for name, shards in current.shards.items():
         spec = current.variables[name]
         for s in shards:
-            loads[s.server_id] = loads.get(s.server_id, 0) + footprint(spec, s.row_stop - s.row_start)
+            loads[s.server_id] = loads.get(s.server_id, 0) + footprint(spec, shard_rows(spec, s))
     return loads
 
 
@@ -53,26 +66,37 @@ def place(current: ShardMap, new_specs: list[VariableSpec], candidates: list[Can
     variables = dict(current.variables)
     shards = dict(current.shards)
     for spec in new_specs:
-        parts = 1
-        if spec.nbytes > split_threshold_bytes:
-            parts = min(len(candidates), spec.rows, math.ceil(spec.nbytes / split_threshold_bytes))
+        if spec.is_table:
+            parts = len(candidates) if spec.dynamic else min(len(candidates), spec.rows)
+            if spec.dynamic and spec.capacity and spec.capacity < parts:
+                raise InvalidArgument(
+                    f"embedding table {spec.name!r}: capacity {spec.capacity} is below the "
+                    f"{parts} servers it is spread over (each holds a share of it)")
+            cuts = [Shard(spec.name, i, i, spec.rows, "", parts) for i in range(parts)]
+        else:
+            parts = 1
+            if spec.nbytes > split_threshold_bytes:
+                parts = min(len(candidates), spec.rows,
+                            math.ceil(spec.nbytes / split_threshold_bytes))
+            cuts = [Shard(spec.name, i, start, stop, "")
+                    for i, (start, stop) in enumerate(split_rows(spec.rows, parts))]
         placed = []
         used: set[str] = set()
-        for index, (start, stop) in enumerate(split_rows(spec.rows, parts)):
-            cost = footprint(spec, stop - start)
+        for cut in cuts:
+            cost = footprint(spec, shard_rows(spec, cut))
             order = sorted(candidates, key=lambda c: (loads[c.server_id], c.server_id))
             fits = [c for c in order if c.server_id not in used
                     and (not budgets[c.server_id] or loads[c.server_id] + cost <= budgets[c.server_id])]
             if not fits:
                 raise ResourceExhausted(
                     f"variable {spec.name!r}: no server has room for {cost} more bytes "
-                    f"(rows {start}:{stop} with optimizer slots); add servers or raise "
+                    f"({cut.describe()} with optimizer slots); add servers or raise "
                     "--memory-budget"
                 )
             chosen = fits[0]
             used.add(chosen.server_id)
             loads[chosen.server_id] += cost
-            placed.append(Shard(spec.name, index, start, stop, chosen.server_id))
+            placed.append(dataclasses.replace(cut, server_id=chosen.server_id))
         variables[spec.name] = spec
         shards[spec.name] = tuple(placed)
     servers = {**current.servers, **{c.server_id: c.address for c in candidates}}

@@ -82,6 +82,8 @@ class ServerEvent:
 
 
 def describe_shard(shard: Shard) -> str:
+    if shard.stride > 1:  # an embedding table's residue class of ids
+        return f"{shard.variable}[shard {shard.index} of {shard.stride}]"
     return f"{shard.variable}[{shard.row_start}:{shard.row_stop}]"
 
 

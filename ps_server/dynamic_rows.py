@@ -1,0 +1,175 @@
+"""One shard of a dynamic embedding table: rows made on first use for any int64 id, held in
+a pool that grows as ids arrive, and evicted least recently used first (capacity) or when
+untouched for too long (ttl).
+
+The pool is plain arrays (values, optimizer slots and the id of every pool row, -1 for a
+free one), so that checkpoints and the sparse optimizers treat it like any shard's arrays.
+Not thread-safe: the store calls it under the shard's lock.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ps_common.errors import InvalidArgument
+
+# The slot holding each pool row's id (-1: free); saved in checkpoints with the others.
+IDS_SLOT = "ids"
+FREE = -1
+MIN_POOL_ROWS = 64
+
+
+class DynamicRows:
+    """`make_rows(ids)` gives the initial rows of new ids, `make_slots(n)` the optimizer
+    slots of n new rows (a dict of arrays with n rows). `capacity` 0 means unlimited,
+    `ttl_s` 0 means never expire; `clock()` is monotonic seconds."""
+
+    def __init__(self, dim: int, dtype: str, *, capacity: int, ttl_s: float,
+                 make_rows: Callable[[np.ndarray], np.ndarray],
+                 make_slots: Callable[[int], dict[str, np.ndarray]],
+                 clock: Callable[[], float]):
+        self.dim = dim
+        self.dtype = np.dtype(dtype)
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._make_rows = make_rows
+        self._make_slots = make_slots
+        self._clock = clock
+        self.values = np.empty((0, dim), self.dtype)
+        self.slots: dict[str, np.ndarray] = {**make_slots(0),
+                                             IDS_SLOT: np.empty(0, np.int64)}
+        self._index: dict[int, int] = {}
+        self._free: list[int] = []
+        self._last_tick = np.empty(0, np.int64)  # LRU order: the request that last touched it
+        self._last_time = np.empty(0, np.float64)  # for the ttl
+        self._tick = 0
+        self._next_sweep = 0.0
+        self.evictions = 0
+
+    # ---- what it holds -----------------------------------------------------------------
+
+    @property
+    def rows_held(self) -> int:
+        return len(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.values.nbytes + sum(a.nbytes for a in self.slots.values())
+                + self._last_tick.nbytes + self._last_time.nbytes)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The pool rows of `ids` (-1 where not held), touching nothing."""
+        get = self._index.get
+        return np.fromiter((get(i, FREE) for i in ids.tolist()), np.int64, len(ids))
+
+    # ---- use ---------------------------------------------------------------------------
+
+    def check_request(self, distinct_ids: int, what: str) -> None:
+        if self.capacity and distinct_ids > self.capacity:
+            raise InvalidArgument(
+                f"{what}: {distinct_ids} distinct ids in one request, more than this shard's "
+                f"share of the table's capacity ({self.capacity} rows): send fewer ids at once "
+                "or declare a larger capacity")
+
+    def locate(self, ids: np.ndarray) -> np.ndarray:
+        """The pool rows of `ids` (distinct), making the missing ones from the initializer
+        (evicting the least recently used rows not in this request when the capacity is
+        reached) and marking all of them used now."""
+        now = self._clock()
+        self.expire(now)
+        rows = self.find(ids)
+        missing = rows == FREE
+        if missing.any():
+            self.check_request(len(ids), "dynamic table")
+            new_ids = ids[missing]
+            if self.capacity:
+                over = len(self._index) + len(new_ids) - self.capacity
+                if over > 0:
+                    self._evict_lru(over, keep=rows[~missing])
+            fresh = self._allocate(len(new_ids))
+            self.values[fresh] = self._make_rows(new_ids)
+            for name, array in self._make_slots(len(new_ids)).items():
+                self.slots[name][fresh] = array
+            self.slots[IDS_SLOT][fresh] = new_ids
+            self._index.update(zip(new_ids.tolist(), fresh.tolist()))
+            rows[missing] = fresh
+        self._tick += 1
+        self._last_tick[rows] = self._tick
+        self._last_time[rows] = now
+        return rows
+
+    def expire(self, now: float | None = None) -> int:
+        """Evict the rows untouched for ttl_s; returns how many. Sweeps at most every
+        quarter ttl (a sweep reads the whole pool)."""
+        if not self.ttl_s:
+            return 0
+        now = self._clock() if now is None else now
+        if now < self._next_sweep:
+            return 0
+        self._next_sweep = now + self.ttl_s / 4
+        stale = np.flatnonzero((self.slots[IDS_SLOT] != FREE)
+                               & (self._last_time < now - self.ttl_s))
+        self._release(stale)
+        return len(stale)
+
+    def _evict_lru(self, count: int, keep: np.ndarray) -> None:
+        held = np.flatnonzero(self.slots[IDS_SLOT] != FREE)
+        if len(keep):
+            held = held[~np.isin(held, keep)]
+        if count < len(held):
+            oldest = np.argpartition(self._last_tick[held], count - 1)[:count]
+            held = held[oldest]
+        self._release(held)
+
+    def _release(self, rows: np.ndarray) -> None:
+        if not len(rows):
+            return
+        ids = self.slots[IDS_SLOT]
+        for identifier in ids[rows].tolist():
+            del self._index[identifier]
+        ids[rows] = FREE
+        self._free.extend(rows.tolist())
+        self.evictions += len(rows)
+
+    def _allocate(self, count: int) -> np.ndarray:
+        if len(self._free) < count:
+            self._grow(len(self.values) + count - len(self._free))
+        taken, self._free = self._free[-count:], self._free[:-count]
+        return np.array(taken, np.int64)
+
+    def _grow(self, at_least: int) -> None:
+        """Double the pool (or more): amortized O(1) per row, like a list."""
+        old = len(self.values)
+        size = max(at_least, 2 * old, MIN_POOL_ROWS)
+        if self.capacity:
+            size = max(min(size, self.capacity), at_least)
+
+        def grown(array: np.ndarray, fill) -> np.ndarray:
+            bigger = np.empty((size, *array.shape[1:]), array.dtype)
+            bigger[:old] = array
+            bigger[old:] = fill
+            return bigger
+
+        self.values = grown(self.values, 0)
+        self.slots = {name: grown(array, FREE if name == IDS_SLOT else 0)
+                      for name, array in self.slots.items()}
+        self._last_tick = grown(self._last_tick, 0)
+        self._last_time = grown(self._last_time, 0.0)
+        # Reversed, so that rows are taken from the front of the new space first.
+        self._free.extend(range(size - 1, old - 1, -1))
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def adopt(self, values: np.ndarray, slots: dict[str, np.ndarray]) -> None:
+        """Take over a pool read back from a checkpoint (its rows all count as used now)."""
+        ids = slots[IDS_SLOT]
+        held = np.flatnonzero(ids != FREE)
+        if len(np.unique(ids[held])) != len(held):
+            raise ValueError("a dynamic table's checkpointed ids repeat")
+        self.values, self.slots = values, dict(slots)
+        self._index = dict(zip(ids[held].tolist(), held.tolist()))
+        self._free = np.flatnonzero(ids == FREE)[::-1].tolist()
+        self._last_tick = np.zeros(len(values), np.int64)
+        self._last_time = np.full(len(values), self._clock(), np.float64)
