@@ -705,6 +705,9 @@ class PSClient:
         spec = shard_map.variables[parts[0][0].variable]
         wire = wire_dtype or spec.dtype
         ids = [unique[positions] for _, positions in parts]
+        if not spec.dynamic and self._pull_rows_shared(shard_map, server_id, parts, ids, rows,
+                                                       wire_dtype):
+            return
         received = [np.empty((len(p), spec.shape[1]), wire_raw_dtype(wire)) for _, p in parts]
         request = ps_pb.PullRequest(
             epoch=shard_map.epoch,
@@ -714,6 +717,30 @@ class PSClient:
         self._receive(shard_map, server_id, request, received)
         for (_, positions), raw in zip(parts, received):
             rows[positions] = from_wire(raw, wire)
+
+    def _pull_rows_shared(self, shard_map: ShardMap, server_id: str,
+                          parts: list[tuple[Shard, np.ndarray]], ids: list[np.ndarray],
+                          rows: np.ndarray, wire_dtype: str | None) -> bool:
+        """A fixed table's rows read straight from the server's shared memory, if it shares
+        it with us; False: over gRPC. Values pass through the wire dtype as on the wire."""
+        session = self._shared_session(shard_map, server_id)
+        if session is None:
+            return False
+        shards = [shard for shard, _ in parts]
+        found = [np.empty((len(i), rows.shape[1]), rows.dtype) for i in ids]
+        try:
+            done = session.read_rows(shard_map.epoch, shards,
+                                     [i // shard.stride for i, shard in zip(ids, shards)],
+                                     found, self._timeout_s)
+        except SessionLost:
+            self._forget_shared(shard_map.servers[server_id], session)
+            return False
+        if done:
+            for (_, positions), values in zip(parts, found):
+                if wire_dtype is not None and wire_dtype != rows.dtype.name:
+                    values = from_wire(to_wire(values, wire_dtype), wire_dtype)
+                rows[positions] = values
+        return done
 
     # ---- push --------------------------------------------------------------------------
 

@@ -122,7 +122,25 @@ class SharedSession:
         if sources is None:
             return False
         for (segment, values), destination in zip(sources, destinations):
-            if not _copy_consistent(segment, values, destination):
+            if not _copy_consistent(segment, lambda: np.copyto(destination, values)):
+                return False
+        return True
+
+    def read_rows(self, epoch: int, shards: list[Shard], rows: list[np.ndarray],
+                  destinations: list[np.ndarray], timeout_s: float) -> bool:
+        """Copy rows `rows[i]` (indices into the shard) of each shard into `destinations[i]`
+        (`(len(rows[i]), dim)`, the shard's dtype), each shard's at one instant. False: do
+        this pull over gRPC instead."""
+        if self._control.retired:
+            raise SessionLost()
+        if int(self._control.header[shm.EPOCH]) != epoch:
+            return False
+        sources = self._sources(epoch, shards, timeout_s)
+        if sources is None:
+            return False
+        for (segment, values), local, destination in zip(sources, rows, destinations):
+            if not _copy_consistent(segment, lambda: np.take(values, local, axis=0,
+                                                             out=destination)):
                 return False
         return True
 
@@ -218,14 +236,15 @@ class SharedSession:
 _DTYPES = {1: np.float32, 2: np.float64, 3: np.float16}
 
 
-def _copy_consistent(segment: shm.Segment, values: np.ndarray, destination: np.ndarray) -> bool:
-    """Copy `values` into `destination` between two equal, even versions of the segment's
-    sequence lock (ps_common.shm); False if updates kept it moving or the shard retired."""
+def _copy_consistent(segment: shm.Segment, copy) -> bool:
+    """Run `copy()` (out of the segment's values) between two equal, even versions of the
+    segment's sequence lock (ps_common.shm); False if updates kept it moving or the shard
+    retired."""
     header = segment.header
     for attempt in range(MAX_READ_ATTEMPTS):
         before = int(header[shm.VERSION])
         if not before & 1:
-            np.copyto(destination, values)
+            copy()
             if int(header[shm.VERSION]) == before:
                 return not int(header[shm.FLAGS]) & shm.RETIRED
         time.sleep(min(MAX_READ_BACKOFF_S, 0.0001 * 2 ** attempt))
