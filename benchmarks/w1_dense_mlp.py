@@ -49,6 +49,7 @@ PARAMS = sum(a * b + b for a, b in zip((FEATURES, *HIDDEN), (*HIDDEN, CLASSES), 
 # counts a task's steps when it completes, so a window's count is off by < 20 per worker.
 TASKS_PER_EPOCH = 5
 STEPPING_TIMEOUT_S = 120.0  # every worker's first task, however many start at once
+WINDOW_LIMIT_S = 120.0  # a measured window waits this long at most for a first step
 
 
 def make_data(path: Path, seed: int = 0) -> None:
@@ -217,18 +218,24 @@ def sample(w1c: W1Cluster, *, threads: bool = False) -> dict:
 
 def measure_window(w1c: W1Cluster, warmup: float, seconds: float, *,
                    threads: bool = False) -> tuple[dict, dict]:
-    """`sample`s at the start and the end of `seconds`, after `warmup` seconds. Raises if the
-    job stopped running or no step completed in the window."""
+    """`sample`s at the start and the end of `seconds`, after `warmup` seconds. A window in
+    which no step was reported yet (workers report steps every few, and a loaded machine
+    may be slow) is extended until one is, for at most WINDOW_LIMIT_S. Raises if the job
+    stopped running or still no step completed."""
     time.sleep(warmup)
     first = sample(w1c, threads=threads)
     time.sleep(seconds)
     last = sample(w1c, threads=threads)
+    while last["steps"] <= first["steps"] and last["t"] - first["t"] < WINDOW_LIMIT_S:
+        w1c.check_alive()
+        time.sleep(min(seconds, 0.25))
+        last = sample(w1c, threads=threads)
     w1c.check_alive()
     if last["job_state"] != "running":
         raise RuntimeError(f"the job is {last['job_state']}, not running, at the end of the "
                            "measured window")
     if last["steps"] <= first["steps"]:
-        raise RuntimeError(f"no step completed in the {seconds:g} s measured")
+        raise RuntimeError(f"no step completed in the {last['t'] - first['t']:.0f} s measured")
     return first, last
 
 

@@ -4,6 +4,8 @@ sparse optimizers through the servers, checkpoints, exactly-once, and every bad 
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
 from ps_server.initializers import initialize_ids
 from ps_worker import PSClient, RemoteError
+from ps_worker.coordinator_client import CoordinatorClient
+from ps_worker.ctl import render
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 UNIFORM = {"name": "uniform", "minval": -1.0, "maxval": 1.0}
@@ -189,6 +193,31 @@ def test_a_dynamic_tables_capacity_is_shared_by_its_shards(make_cluster):
         assert sum(held) <= 10
 
 
+def test_rows_held_evictions_and_bytes_per_table_show_in_the_status(make_cluster):
+    cluster = make_cluster(servers=2)
+    with PSClient(cluster.coordinator_address) as ps, \
+            CoordinatorClient(cluster.coordinator_address, give_up_after_s=5) as coordinator:
+        ps.declare_embedding("dyn", dim=4, capacity=6, ttl_seconds=3600)
+        ps.declare_embedding("fixed", dim=2, num_rows=10)
+        for start in range(0, 40, 2):  # 40 distinct ids through a table of 6 rows
+            ps.pull_rows("dyn", np.arange(start, start + 2, dtype=np.int64))
+        expected = sum(t.evictions for s in cluster.servers for t in s.store.table_stats())
+        assert expected >= 34
+        deadline = time.monotonic() + 10
+        while True:  # the servers report with their next heartbeat
+            tables = {t["name"]: t for t in coordinator.status()["tables"]}
+            if tables["dyn"]["evictions"] == expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert tables["dyn"]["evictions"] == expected
+        assert tables["dyn"]["rows_held"] <= 6 and tables["dyn"]["bytes"] > 0
+        assert (tables["dyn"]["num_rows"], tables["dyn"]["capacity"],
+                tables["dyn"]["ttl_seconds"]) == (None, 6, 3600)
+        assert (tables["fixed"]["rows_held"], tables["fixed"]["evictions"]) == (10, 0)
+        assert "dyn" in render(coordinator.status()) and "evictions" in render(
+            coordinator.status())
+
+
 # ---- checkpoints -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("servers_after", [2, 3])
@@ -267,6 +296,7 @@ def test_bad_row_requests_get_their_code_and_change_nothing(cluster):
         for code, fn, args in bad:
             expect_error(code, fn, *args)
         for kwargs in ({"capacity": -1}, {"ttl_seconds": -1.0}, {"num_rows": 0},
+                       {"capacity": 1},  # below the 2 servers that would share it
                        {"num_rows": 10, "capacity": 5}, {"init": "glorot_uniform"}):
             expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.declare_embedding, "new", 4,
                          **{"num_rows": None, **kwargs})
