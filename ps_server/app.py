@@ -26,6 +26,9 @@ from ps_server.streams import StreamLimiter, handler_threads
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "ps.v1.ParameterServer"
+# How often dynamic tables are swept for rows past their ttl (each table's own sweeps are
+# at most every quarter of its ttl).
+EXPIRY_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ class ParameterServer:
         self.server_id = servicer.server_id = config.server_id or self.address
         self._stop = threading.Event()
         self._membership: threading.Thread | None = None
+        self._expiry = threading.Thread(target=self._expiry_loop, daemon=True,
+                                        name=f"ps-server-{self.server_id}-expiry")
         self._membership_rpc: grpc.Future | None = None  # the call stop() cancels
         self._membership_lock = threading.Lock()
         self.registered = threading.Event()
@@ -154,7 +159,16 @@ class ParameterServer:
                 target=self._membership_loop, name=f"ps-server-{self.server_id}-membership",
                 daemon=True)
             self._membership.start()
+        self._expiry.start()
         return self
+
+    def _expiry_loop(self) -> None:
+        """Evict dynamic tables' rows past their ttl even where no request reaches them."""
+        while not self._stop.wait(EXPIRY_INTERVAL_S):
+            try:
+                self.store.expire_rows()
+            except Exception:  # noqa: BLE001 - never let the sweep thread die silently
+                log.exception("evicting expired rows of dynamic tables failed")
 
     def stop(self, grace_s: float | None = None) -> None:
         self._stop.set()
@@ -170,6 +184,8 @@ class ParameterServer:
         self._stopped.set()
         if self._membership is not None and self._membership is not threading.current_thread():
             self._membership.join(timeout=5.0)
+        if self._expiry.is_alive() and self._expiry is not threading.current_thread():
+            self._expiry.join(timeout=5.0)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped (by stop(), from any thread) or `timeout`
@@ -218,7 +234,11 @@ class ParameterServer:
                     reply = self._coordinator_call(
                         stub.ServerHeartbeat, coordinator_pb2.ServerHeartbeatRequest(
                             server_id=self.server_id, epoch=self.store.epoch,
-                            generation=generation, retired_through=self.fence.retired_through))
+                            generation=generation, retired_through=self.fence.retired_through,
+                            tables=[coordinator_pb2.TableShardStats(
+                                variable=t.variable, index=t.index, rows=t.rows,
+                                evictions=t.evictions, bytes=t.nbytes)
+                                for t in self.store.table_stats()]))
                     registered = reply.known
                     for client in reply.retired:
                         self.ledger.retire(client.client_id, client.incarnation)

@@ -193,6 +193,12 @@ class CoordinatorClient:
             "last_checkpoint": (_checkpoint(s.last_checkpoint)
                                 if s.HasField("last_checkpoint") else None),
             "shards_restored": s.shards_restored,
+            "tables": [
+                {"name": t.name, "dim": t.dim, "num_rows": t.num_rows or None,
+                 "capacity": t.capacity or None, "ttl_seconds": t.ttl_seconds or None,
+                 "rows_held": t.rows_held, "evictions": t.evictions, "bytes": t.bytes}
+                for t in s.tables
+            ],
         }
 
     def checkpoint(self) -> dict:

@@ -55,6 +55,14 @@ def render(status: dict) -> str:
         if s.get("state_losses"):
             lines.append(f"    came back without its shards {s['state_losses']} time(s); last lost "
                          f"{', '.join(s['lost_shards'])}: {s['loss_action']}")
+    if status.get("tables"):
+        lines.append(f"embedding tables ({len(status['tables'])}):")
+        for t in status["tables"]:
+            size = (f"{t['num_rows']} rows" if t["num_rows"] else "dynamic" + (
+                f", capacity {t['capacity']}" if t["capacity"] else "") + (
+                f", ttl {t['ttl_seconds']:g} s" if t["ttl_seconds"] else ""))
+            lines.append(f"  {t['name']:<24} dim {t['dim']}  {size}  holding {t['rows_held']} "
+                         f"rows {_bytes(t['bytes'])}  evictions {t['evictions']}")
     last = status.get("last_checkpoint")
     if status.get("checkpoint_dir"):
         lines.append(f"checkpoints in {status['checkpoint_dir']}: " + (

@@ -176,6 +176,7 @@ class ServerHeartbeatRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     RETIRED_THROUGH_FIELD_NUMBER: _builtins.int
+    TABLES_FIELD_NUMBER: _builtins.int
     server_id: _builtins.str
     epoch: _builtins.int
     """The shard-map epoch the server holds; a server behind the coordinator is resynced."""
@@ -185,6 +186,10 @@ class ServerHeartbeatRequest(_message.Message):
     """Cursor into the coordinator's log of retired clients: every entry up to this one has
     been applied by the server.
     """
+    @_builtins.property
+    def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableShardStats]:
+        """What the server holds of each embedding table (for ps-ctl status)."""
+
     def __init__(
         self,
         *,
@@ -192,14 +197,92 @@ class ServerHeartbeatRequest(_message.Message):
         epoch: _builtins.int = ...,
         generation: _builtins.int = ...,
         retired_through: _builtins.int = ...,
+        tables: _abc.Iterable[Global___TableShardStats] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "generation", b"generation", "retired_through", b"retired_through", "server_id", b"server_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "generation", b"generation", "retired_through", b"retired_through", "server_id", b"server_id", "tables", b"tables"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServerHeartbeatRequest: _TypeAlias = ServerHeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class TableShardStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VARIABLE_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    variable: _builtins.str
+    index: _builtins.int
+    rows: _builtins.int
+    """Rows held (a dynamic table's grow with the ids seen), rows evicted so far (capacity or
+    ttl), and bytes of its values and optimizer slots.
+    """
+    evictions: _builtins.int
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        variable: _builtins.str = ...,
+        index: _builtins.int = ...,
+        rows: _builtins.int = ...,
+        evictions: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "evictions", b"evictions", "index", b"index", "rows", b"rows", "variable", b"variable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TableShardStats: _TypeAlias = TableShardStats  # noqa: Y015
+
+@_typing.final
+class TableStatus(_message.Message):
+    """One embedding table over all the servers that report it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DIM_FIELD_NUMBER: _builtins.int
+    NUM_ROWS_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    ROWS_HELD_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    dim: _builtins.int
+    num_rows: _builtins.int
+    """0 for a dynamic table."""
+    capacity: _builtins.int
+    ttl_seconds: _builtins.float
+    rows_held: _builtins.int
+    evictions: _builtins.int
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dim: _builtins.int = ...,
+        num_rows: _builtins.int = ...,
+        capacity: _builtins.int = ...,
+        ttl_seconds: _builtins.float = ...,
+        rows_held: _builtins.int = ...,
+        evictions: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "capacity", b"capacity", "dim", b"dim", "evictions", b"evictions", "name", b"name", "num_rows", b"num_rows", "rows_held", b"rows_held", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TableStatus: _TypeAlias = TableStatus  # noqa: Y015
 
 @_typing.final
 class RetiredClient(_message.Message):
@@ -855,6 +938,7 @@ class ClusterStatus(_message.Message):
     LAST_CHECKPOINT_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
     SHARDS_RESTORED_FIELD_NUMBER: _builtins.int
+    TABLES_FIELD_NUMBER: _builtins.int
     shard_map_epoch: _builtins.int
     generation: _builtins.int
     """The coordinator's generation (higher after every coordinator restart)."""
@@ -878,6 +962,8 @@ class ClusterStatus(_message.Message):
     def last_checkpoint(self) -> Global___CheckpointInfo:
         """The newest complete checkpoint (absent when none was taken or restored)."""
 
+    @_builtins.property
+    def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableStatus]: ...
     def __init__(
         self,
         *,
@@ -890,10 +976,11 @@ class ClusterStatus(_message.Message):
         last_checkpoint: Global___CheckpointInfo | None = ...,
         checkpoint_dir: _builtins.str = ...,
         shards_restored: _builtins.int = ...,
+        tables: _abc.Iterable[Global___TableStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "last_checkpoint", b"last_checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_servers", b"awaiting_servers", "checkpoint_dir", b"checkpoint_dir", "generation", b"generation", "job", b"job", "last_checkpoint", b"last_checkpoint", "servers", b"servers", "shard_map_epoch", b"shard_map_epoch", "shards_restored", b"shards_restored", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_servers", b"awaiting_servers", "checkpoint_dir", b"checkpoint_dir", "generation", b"generation", "job", b"job", "last_checkpoint", b"last_checkpoint", "servers", b"servers", "shard_map_epoch", b"shard_map_epoch", "shards_restored", b"shards_restored", "tables", b"tables", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

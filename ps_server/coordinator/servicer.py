@@ -66,7 +66,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ServerHeartbeat(self, request, context):
         with translate_errors(context, "ServerHeartbeat"):
             known, needs_sync = self._state.server_heartbeat(
-                request.server_id, request.epoch, request.generation)
+                request.server_id, request.epoch, request.generation,
+                [((t.variable, t.index), (t.rows, t.evictions, t.bytes))
+                 for t in request.tables])
             if needs_sync:
                 self._assigner.sync_in_background()
             shutdown = (known and self._runner.over and not self._keep_serving
@@ -212,6 +214,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     self._checkpointer.last if self._checkpointer else None),
                 checkpoint_dir=str(self._checkpointer.catalog.root) if self._checkpointer else "",
                 shards_restored=self._state.shards_restored,
+                tables=_tables(shard_map, [m for m, state, _ in self._state.server_states()
+                                           if state == "alive"]),
             )
 
     def Checkpoint(self, request, context):
@@ -222,6 +226,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if not self._state.shard_map.shards:
                 raise CheckpointFailed("nothing to checkpoint: no variable has been declared")
             return _checkpoint_info(self._checkpointer.take("requested"))
+
+
+def _tables(shard_map, servers) -> list[pb.TableStatus]:
+    """Each embedding table, with what the live servers last reported holding of it (a
+    shard reported by two servers, as while it moves, counts once: the holder's report)."""
+    reported = {(server.server_id, key): numbers for server in servers
+                for key, numbers in server.tables}
+    tables = []
+    for name, spec in shard_map.variables.items():
+        if not spec.is_table:
+            continue
+        rows = evictions = nbytes = 0
+        for shard in shard_map.shards.get(name, ()):
+            held, evicted, size = reported.get((shard.server_id, shard.key), (0, 0, 0))
+            rows, evictions, nbytes = rows + held, evictions + evicted, nbytes + size
+        tables.append(pb.TableStatus(
+            name=name, dim=spec.shape[1], num_rows=spec.rows, capacity=spec.capacity,
+            ttl_seconds=spec.ttl_seconds, rows_held=rows, evictions=evictions, bytes=nbytes))
+    return tables
 
 
 def _checkpoint_info(manifest) -> pb.CheckpointInfo | None:

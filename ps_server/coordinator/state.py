@@ -63,6 +63,9 @@ class ServerMember:
     state_losses: int = 0  # times it came back without shards it had acknowledged
     lost_shards: tuple[str, ...] = ()  # what was lost the last time
     loss_action: str = ""  # "failed the job" | "re-initialized"
+    # Its last report of its embedding tables' shards: (variable, index) -> (rows,
+    # evictions, bytes).
+    tables: tuple[tuple[tuple[str, int], tuple[int, int, int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -420,9 +423,10 @@ class CoordinatorState:
         return changed
 
     def server_heartbeat(self, server_id: str, server_epoch: int,
-                         generation: int | None = None) -> tuple[bool, bool]:
+                         generation: int | None = None, tables=None) -> tuple[bool, bool]:
         """Renew the lease. Returns (known, needs_sync). A server that registered with
-        another coordinator generation is not known: it registers again (and reports)."""
+        another coordinator generation is not known: it registers again (and reports).
+        `tables`: its embedding tables' shards, as in ServerMember.tables (None: unchanged)."""
         now = self._clock.monotonic()
         with self._lock:
             member = self._servers.get(server_id)
@@ -430,7 +434,8 @@ class CoordinatorState:
                 return False, False
             self._servers[server_id] = replace(
                 member, online_until=now + self._timeout, last_heartbeat=now,
-                synced_epoch=min(member.synced_epoch, server_epoch))
+                synced_epoch=min(member.synced_epoch, server_epoch),
+                tables=member.tables if tables is None else tuple(tables))
             return True, (server_epoch < self._map.epoch and server_id not in self._frozen)
 
     def mark_synced(self, server_id: str, epoch: int) -> None:
