@@ -649,11 +649,12 @@ class PSClient:
         ids = self._row_ids(name, ids)
         shard_map = self._map_with([name])
         spec = self._table(shard_map, name, ids)
-        encoded, wire = self._encode(spec, np.asarray(grads), (len(ids), spec.shape[1]),
-                                     wire_dtype)
+        grads = np.asarray(grads)
+        self._check_gradient(spec, grads, (len(ids), spec.shape[1]), wire_dtype)
         unique, inverse = dedup(ids)
-        summed = sum_duplicates(from_wire(encoded, wire), inverse, len(unique))
-        summed, wire = self._encode(spec, summed, summed.shape, wire)  # sums may overflow
+        # Summed before narrowing to the wire dtype; a NaN or Inf anywhere shows in the sums.
+        summed, wire = self._encode(spec, sum_duplicates(grads, inverse, len(unique)),
+                                    (len(unique), spec.shape[1]), wire_dtype)
         pieces = [_Piece(shard, np.ascontiguousarray(summed[positions]), wire, unique[positions])
                   for parts in rows_by_server(spec, shard_map.shards_of(name), unique).values()
                   for shard, positions in parts]
@@ -868,6 +869,21 @@ class PSClient:
     def _encode(self, spec: VariableSpec, grad: np.ndarray, shape: tuple[int, ...],
                 wire_dtype: str | None) -> tuple[np.ndarray, str]:
         """A gradient checked (dtype, `shape`, finiteness) and encoded in its wire dtype."""
+        wire = self._check_gradient(spec, grad, shape, wire_dtype)
+        with np.errstate(over="ignore"):
+            encoded = to_wire(grad, wire)
+        # Checked after narrowing: a value that overflows the wire dtype becomes Inf.
+        decoded = from_wire(encoded, wire)
+        if not self._allow_non_finite and decoded.size and not all_finite(decoded):
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {spec.name!r}: gradient has non-finite values (NaN or "
+                               f"Inf) in wire dtype {wire}; nothing was applied")
+        return encoded, wire
+
+    @staticmethod
+    def _check_gradient(spec: VariableSpec, grad: np.ndarray, shape: tuple[int, ...],
+                        wire_dtype: str | None) -> str:
+        """Its dtype and shape checked; returns the wire dtype it travels in."""
         name = spec.name
         if grad.dtype.kind != "f":
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
@@ -887,15 +903,7 @@ class PSClient:
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"variable {name!r}: gradient dtype {wire} is wider than the "
                                f"variable's dtype {spec.dtype}")
-        with np.errstate(over="ignore"):
-            encoded = to_wire(grad, wire)
-        # Checked after narrowing: a value that overflows the wire dtype becomes Inf.
-        decoded = from_wire(encoded, wire)
-        if not self._allow_non_finite and decoded.size and not all_finite(decoded):
-            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"variable {name!r}: gradient has non-finite values (NaN or "
-                               f"Inf) in wire dtype {wire}; nothing was applied")
-        return encoded, wire
+        return wire
 
     @staticmethod
     def _relocate(shard_map: ShardMap, piece: _Piece) -> _Piece:
