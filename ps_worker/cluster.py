@@ -200,6 +200,14 @@ def _on_port(argv: list[str], port: str) -> list[str]:
     return [*argv[:i + 1], port, *argv[i + 2:]]
 
 
+def epoch_line(epoch: int, epochs: int, *, loss: float, accuracy: float, test_accuracy: float,
+               test_auc: float | None, steps: int) -> str:
+    """The line shown once an epoch is evaluated; held-out AUC where the model gives scores."""
+    auc = f"  test_auc {test_auc:.4f} (chance 0.5)" if test_auc is not None else ""
+    return (f"epoch {epoch}/{epochs}  loss {loss:.4f}  accuracy {accuracy:.4f}  held-out "
+            f"accuracy {test_accuracy:.4f}{auc}  steps {steps}")
+
+
 class Progress:
     """A bar per epoch on a terminal; plain lines (one per finished epoch) otherwise."""
 
@@ -221,9 +229,9 @@ class Progress:
         for m in job["metrics"]:
             if m["test_accuracy"] is not None and m["epoch"] not in self.reported:
                 self.reported.add(m["epoch"])
-                self._line(f"epoch {m['epoch']}/{self.epochs}  loss {m['loss']:.4f}  "
-                           f"accuracy {m['accuracy']:.4f}  held-out accuracy "
-                           f"{m['test_accuracy']:.4f}  steps {job['steps']}")
+                self._line(epoch_line(m["epoch"], self.epochs, loss=m["loss"],
+                                      accuracy=m["accuracy"], test_accuracy=m["test_accuracy"],
+                                      test_auc=m.get("test_auc"), steps=job["steps"]))
         if self.tty and job["state"] == "running":
             per_epoch = job["tasks_total"] // max(1, job["epochs"])
             done_in_epoch = job["tasks_done"] - per_epoch * (job["epoch"] - 1)
@@ -377,9 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         outcome = _monitor(address, coordinator, workers, progress, args.keep_serving, chaos)
         if outcome.get("epochs") and outcome["epochs"] not in progress.reported and \
                 outcome.get("accuracy") is not None:  # the monitor missed the last status
-            progress.note(f"epoch {outcome['epochs']}/{job.epochs}  loss {outcome['loss']:.4f}  "
-                          f"accuracy {outcome['train_accuracy']:.4f}  held-out accuracy "
-                          f"{outcome['accuracy']:.4f}  steps {outcome['steps']}")
+            progress.note(epoch_line(outcome["epochs"], job.epochs, loss=outcome["loss"],
+                                     accuracy=outcome["train_accuracy"],
+                                     test_accuracy=outcome["accuracy"],
+                                     test_auc=outcome.get("auc"), steps=outcome["steps"]))
     except KeyboardInterrupt:
         interrupted = True
         outcome = {"state": "interrupted"}
@@ -433,7 +442,8 @@ def _check_job_runs_here(job: JobSpec) -> None:
 
     dataset = load_dataset(job.data, seed=job.seed)
     build_model(job.model, num_features=dataset.num_features,
-                num_classes=dataset.num_classes, hidden=job.hidden)
+                num_classes=dataset.num_classes, hidden=job.hidden,
+                field_sizes=dataset.field_sizes)
 
 
 FINISHED_PREFIX = "ps-coordinator finished: "

@@ -131,14 +131,16 @@ class CoordinatorClient:
 
     def complete(self, worker_id: str, incarnation: int, task_id: int, *, loss_sum: float,
                  examples: int, correct: int, steps: int, seconds: float,
-                 data_path: str = "") -> bool:
+                 data_path: str = "", auc: float | None = None) -> bool:
         """Report a task done; True if it had been reported already. Raises LeaseRevoked when
-        this incarnation no longer holds the task."""
+        this incarnation no longer holds the task. `auc`: an evaluation's held-out AUC, or
+        None when it has none."""
         try:
             reply = self._call("CompleteTask", pb.CompleteTaskRequest(
                 worker_id=worker_id, incarnation=incarnation, task_id=task_id,
                 metrics=pb.TaskMetrics(loss_sum=loss_sum, examples=examples, correct=correct,
-                                       steps=steps, seconds=seconds), data_path=data_path))
+                                       steps=steps, seconds=seconds, auc=auc),
+                data_path=data_path))
         except RemoteError as error:
             if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 raise LeaseRevoked(error.details()) from None
@@ -166,6 +168,7 @@ class CoordinatorClient:
                     {"epoch": m.epoch, "loss": _number(m.loss), "accuracy": _number(m.accuracy),
                      "test_loss": m.test_loss if m.evaluated else None,
                      "test_accuracy": m.test_accuracy if m.evaluated else None,
+                     "test_auc": m.test_auc if m.HasField("test_auc") else None,
                      "steps": m.steps, "examples": m.examples}
                     for m in job.metrics
                 ],

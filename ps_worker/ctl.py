@@ -36,11 +36,17 @@ def render(status: dict) -> str:
     if job.get("failure"):
         lines.append(f"  failure: {job['failure']}")
     if job["metrics"]:
-        lines.append("  epoch   loss     accuracy  test_loss  test_accuracy  steps")
+        # Held-out AUC only for models that give scores (chance: 0.5).
+        with_auc = any(m.get("test_auc") is not None for m in job["metrics"])
+        lines.append("  epoch   loss     accuracy  test_loss  test_accuracy  "
+                     + ("test_auc  " if with_auc else "") + "steps")
         for m in job["metrics"]:
+            auc = f"{_fmt(m.get('test_auc'))}    " if with_auc else ""
             lines.append(f"  {m['epoch']:>5}   {_fmt(m['loss'])}   {_fmt(m['accuracy'])}    "
                          f"{_fmt(m['test_loss'])}     {_fmt(m['test_accuracy'])}         "
-                         f"{m['steps']}")
+                         f"{auc}{m['steps']}")
+        if with_auc:
+            lines.append("  (test_auc: held-out ROC AUC; chance is 0.5)")
     lines.append(f"workers ({len(status['workers'])}):")
     for w in status["workers"]:
         extra = f"  {w['reason']}" if w["reason"] else ""

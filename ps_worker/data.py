@@ -2,25 +2,31 @@
 
 Every worker that loads the same spec gets the same arrays, so a task is fully described
 by (epoch, task index, tasks per epoch, seed) and ``task_indices`` turns it into rows.
+
+Data sets with categorical fields (``synthetic_ctr``) carry int64 ids beside the dense
+features; their batches are ``(Features(dense, ids), y)`` instead of ``(x, y)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 __all__ = [
     "DIGITS",
     "SYNTHETIC",
+    "SYNTHETIC_CTR",
     "TEST_FRACTION",
     "Dataset",
+    "Features",
     "iter_batches",
     "load_dataset",
     "task_indices",
@@ -28,6 +34,7 @@ __all__ = [
 
 DIGITS = "digits"
 SYNTHETIC = "synthetic"
+SYNTHETIC_CTR = "synthetic_ctr"
 TEST_FRACTION = 0.2
 # The held-out split does not depend on the run's seed, so that test accuracy is
 # comparable across runs.
@@ -35,12 +42,34 @@ _SPLIT_SEED = 20240601
 _SYNTHETIC_DEFAULT_EXAMPLES = 4096
 _SYNTHETIC_FEATURES = 20
 _SYNTHETIC_CLASSES = 4
+# synthetic_ctr: see _make_synthetic_ctr.
+_CTR_DEFAULT_EXAMPLES = 500_000
+_CTR_STREAM = 0xC7  # the random streams of synthetic_ctr (beside the seed)
+_CTR_FIELD_SIZES = (1000, 1000, 2000, 3000, 5000, 8000,
+                    10_000, 20_000, 30_000, 50_000, 80_000, 100_000)
+_CTR_ZIPF_EXPONENT = 1.1
+_CTR_EFFECT_STDDEV = 0.5
+_CTR_DENSE_FEATURES = 4
+_CTR_DENSE_WEIGHT_STDDEV = 0.5
+_CTR_BASE_RATE = 0.25
+
+
+class Features(NamedTuple):
+    """The ``x`` of a batch of a data set with categorical fields."""
+
+    dense: Any  # float32 (B, num_features)
+    ids: Any  # int64 (B, num_fields): field f's ids in [0, field_sizes[f])
 
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
     """Training and held-out examples. Arrays are read-only, so a Dataset is safe to share
-    between threads. ``x_*`` are float32 (N, F); ``y_*`` are int64 (N,) in [0, num_classes)."""
+    between threads. ``x_*`` are float32 (N, F); ``y_*`` are int64 (N,) in [0, num_classes).
+
+    A data set with categorical fields also has ``c_*``, int64 (N, len(field_sizes)), field
+    f's ids in ``[0, field_sizes[f])``; without them ``c_*`` are None and ``field_sizes``
+    is empty.
+    """
 
     name: str
     x_train: np.ndarray
@@ -49,6 +78,13 @@ class Dataset:
     y_test: np.ndarray
     num_features: int
     num_classes: int
+    c_train: np.ndarray | None = None
+    c_test: np.ndarray | None = None
+    field_sizes: tuple[int, ...] = ()
+
+    @property
+    def categorical(self) -> bool:
+        return bool(self.field_sizes)
 
     @property
     def num_train(self) -> int:
@@ -60,18 +96,24 @@ class Dataset:
 
 
 def load_dataset(spec: str, seed: int = 0) -> Dataset:
-    """``"digits"``, ``"synthetic"``, ``"synthetic:N"`` or the path of a ``.npz`` file.
+    """``"digits"``, ``"synthetic"``, ``"synthetic:N"``, ``"synthetic_ctr"``,
+    ``"synthetic_ctr:N"`` or the path of a ``.npz`` file.
 
-    ``seed`` only changes generated data (``synthetic``); held-out splits are fixed.
-    Raises ``ValueError`` naming the spec or path when it cannot be loaded.
+    ``seed`` only changes generated data (``synthetic``, ``synthetic_ctr``); held-out splits
+    are fixed. Raises ``ValueError`` naming the spec or path when it cannot be loaded.
     """
     if spec == DIGITS:
         return _load_digits()
+    if spec == SYNTHETIC_CTR or spec.startswith(SYNTHETIC_CTR + ":"):
+        return _make_synthetic_ctr(spec, seed)
     if spec == SYNTHETIC or spec.startswith(SYNTHETIC + ":"):
         return _make_synthetic(spec, seed)
     if spec.endswith(".npz") or "/" in spec or Path(spec).exists():
         return _load_npz(Path(spec))
-    raise ValueError(f"data set {spec!r} is not 'digits', 'synthetic[:N]' nor a path to an .npz file")
+    raise ValueError(
+        f"data set {spec!r} is not 'digits', 'synthetic[:N]', 'synthetic_ctr[:N]' nor a path "
+        "to an .npz file"
+    )
 
 
 def task_indices(
@@ -110,19 +152,23 @@ def iter_batches(
     batch_size: int,
     *,
     split: Literal["train", "test"] = "train",
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(x, y) batches of the ``split`` rows ``indices``, in order; the last may be shorter."""
+) -> Iterator[tuple[Any, np.ndarray]]:
+    """(x, y) batches of the ``split`` rows ``indices``, in order; the last may be shorter.
+    For a data set with categorical fields ``x`` is ``Features(dense, ids)``."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if split == "train":
-        x, y = dataset.x_train, dataset.y_train
+        x, y, c = dataset.x_train, dataset.y_train, dataset.c_train
     elif split == "test":
-        x, y = dataset.x_test, dataset.y_test
+        x, y, c = dataset.x_test, dataset.y_test, dataset.c_test
     else:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     for start in range(0, len(indices), batch_size):
         rows = indices[start : start + batch_size]
-        yield x[rows], y[rows]
+        if c is None:
+            yield x[rows], y[rows]
+        else:
+            yield Features(x[rows], c[rows]), y[rows]
 
 
 def _held_out_split(num_examples: int) -> tuple[np.ndarray, np.ndarray]:
@@ -153,6 +199,20 @@ def _make_dataset(
     return Dataset(name, *arrays, num_features=int(arrays[0].shape[1]), num_classes=num_classes)
 
 
+def _examples_in(spec: str, default: int) -> int:
+    """N of a generated data set's ``name:N`` spec (``default`` for the bare name)."""
+    _, _, count = spec.partition(":")
+    if not count:
+        return default
+    try:
+        num_examples = int(count)
+    except ValueError:
+        raise ValueError(f"data set {spec!r}: {count!r} is not a number of examples") from None
+    if num_examples < 2:
+        raise ValueError(f"data set {spec!r}: needs at least 2 examples to hold some out")
+    return num_examples
+
+
 def _split_and_make(
     name: str, x: np.ndarray, y: np.ndarray, num_classes: int | None = None
 ) -> Dataset:
@@ -169,16 +229,7 @@ def _load_digits() -> Dataset:
 
 
 def _make_synthetic(spec: str, seed: int) -> Dataset:
-    _, _, count = spec.partition(":")
-    if count:
-        try:
-            num_examples = int(count)
-        except ValueError:
-            raise ValueError(f"data set {spec!r}: {count!r} is not a number of examples") from None
-    else:
-        num_examples = _SYNTHETIC_DEFAULT_EXAMPLES
-    if num_examples < 2:
-        raise ValueError(f"data set {spec!r}: needs at least 2 examples to hold some out")
+    num_examples = _examples_in(spec, _SYNTHETIC_DEFAULT_EXAMPLES)
     if seed < 0:
         raise ValueError(f"data set {spec!r}: seed must be >= 0, got {seed}")
     rng = np.random.default_rng(seed)
@@ -188,6 +239,63 @@ def _make_synthetic(spec: str, seed: int) -> Dataset:
     labels = rng.integers(0, _SYNTHETIC_CLASSES, size=num_examples)
     features = centers[labels] + rng.normal(0.0, 1.0, size=(num_examples, _SYNTHETIC_FEATURES))
     return _split_and_make(spec, features, labels, num_classes=_SYNTHETIC_CLASSES)
+
+
+def _make_synthetic_ctr(spec: str, seed: int) -> Dataset:
+    """A click log drawn from a known logistic model (no download; about 0.15 s per 100,000
+    examples, 500,000 by default). Every example has one id in each of 12 categorical
+    fields (field f's vocabulary is ``_CTR_FIELD_SIZES[f]``, 1,000 to 100,000 ids; ids are
+    Zipf-distributed with exponent 1.1, id 0 the most frequent) and 4 standard-normal dense
+    features. The click probability is ``sigmoid(bias + sum_f effect_f[id_f] + dense . w)``:
+    a hidden effect per id, N(0, 0.5), dense weights N(0, 0.5), and the bias set so that 25%
+    of the examples are clicks. The Bayes-optimal held-out AUC (the true probabilities as
+    scores) is 0.84 to 0.87 depending on the seed; rare ids are seen too seldom to learn, so
+    a model reaches less (embedding_mlp: 0.835, 0.818 and 0.797 with seeds 0, 1 and 2).
+
+    ``seed`` draws the hidden model (from a stream of its own, so ``synthetic_ctr:N`` of any
+    N shares it) and the examples; the held-out 20% are the same rows for every seed
+    (``_held_out_split``). Labels are 0 / 1 (``num_classes`` 2).
+    """
+    num_examples = _examples_in(spec, _CTR_DEFAULT_EXAMPLES)
+    if seed < 0:
+        raise ValueError(f"data set {spec!r}: seed must be >= 0, got {seed}")
+    # The hidden model comes from a stream of its own, so that every N shares it.
+    world = np.random.default_rng([seed, _CTR_STREAM, 0])
+    effects = [world.normal(0.0, _CTR_EFFECT_STDDEV, size) for size in _CTR_FIELD_SIZES]
+    weights = world.normal(0.0, _CTR_DENSE_WEIGHT_STDDEV, _CTR_DENSE_FEATURES)
+    rng = np.random.default_rng([seed, _CTR_STREAM, 1])
+    ids = np.empty((num_examples, len(_CTR_FIELD_SIZES)), np.int64)
+    logits = np.zeros(num_examples)
+    for field_index, vocabulary in enumerate(_CTR_FIELD_SIZES):
+        # Inverse-CDF sampling of P(id = k) proportional to (k + 1) ** -exponent.
+        cdf = np.cumsum(np.arange(1, vocabulary + 1, dtype=np.float64) ** -_CTR_ZIPF_EXPONENT)
+        cdf /= cdf[-1]
+        field_ids = np.searchsorted(cdf, rng.random(num_examples), side="right")
+        np.minimum(field_ids, vocabulary - 1, out=ids[:, field_index])
+        logits += effects[field_index][ids[:, field_index]]
+    dense = rng.normal(0.0, 1.0, (num_examples, _CTR_DENSE_FEATURES))
+    logits += dense @ weights
+    logits += _bias_for_rate(logits, _CTR_BASE_RATE)
+    labels = (rng.random(num_examples) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int64)
+    train, test = _held_out_split(num_examples)
+    base = _make_dataset(spec, dense[train], labels[train], dense[test], labels[test], 2)
+    c_train, c_test = np.ascontiguousarray(ids[train]), np.ascontiguousarray(ids[test])
+    c_train.setflags(write=False)
+    c_test.setflags(write=False)
+    return dataclasses.replace(base, c_train=c_train, c_test=c_test,
+                               field_sizes=_CTR_FIELD_SIZES)
+
+
+def _bias_for_rate(logits: np.ndarray, rate: float) -> float:
+    """The b for which the mean of sigmoid(logits + b) is ``rate`` (bisection)."""
+    low, high = -30.0, 30.0
+    for _ in range(40):  # to within 60 / 2**40
+        middle = (low + high) / 2
+        if np.mean(1.0 / (1.0 + np.exp(-(logits + middle)))) > rate:
+            high = middle
+        else:
+            low = middle
+    return (low + high) / 2
 
 
 def _load_npz(path: Path) -> Dataset:

@@ -645,11 +645,16 @@ class TaskMetrics(_message.Message):
     CORRECT_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    AUC_FIELD_NUMBER: _builtins.int
     loss_sum: _builtins.float
     examples: _builtins.int
     correct: _builtins.int
     steps: _builtins.int
     seconds: _builtins.float
+    auc: _builtins.float
+    """Held-out ROC AUC, in [0, 1], of an evaluation task whose model gives scores (absent
+    otherwise: training tasks, models without scores, a test set of one class).
+    """
     def __init__(
         self,
         *,
@@ -658,12 +663,15 @@ class TaskMetrics(_message.Message):
         correct: _builtins.int = ...,
         steps: _builtins.int = ...,
         seconds: _builtins.float = ...,
+        auc: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auc", b"_auc", "auc", b"auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["correct", b"correct", "examples", b"examples", "loss_sum", b"loss_sum", "seconds", b"seconds", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auc", b"_auc", "auc", b"auc", "correct", b"correct", "examples", b"examples", "loss_sum", b"loss_sum", "seconds", b"seconds", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__auc: _TypeAlias = _typing.Literal["auc"]  # noqa: Y015
+    _WhichOneofArgType__auc: _TypeAlias = _typing.Literal["_auc", b"_auc"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__auc) -> _WhichOneofReturnType__auc | None: ...
 
 Global___TaskMetrics: _TypeAlias = TaskMetrics  # noqa: Y015
 
@@ -747,6 +755,7 @@ class EpochMetrics(_message.Message):
     EVALUATED_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
     EXAMPLES_FIELD_NUMBER: _builtins.int
+    TEST_AUC_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     loss: _builtins.float
     accuracy: _builtins.float
@@ -755,6 +764,8 @@ class EpochMetrics(_message.Message):
     evaluated: _builtins.bool
     steps: _builtins.int
     examples: _builtins.int
+    test_auc: _builtins.float
+    """The evaluation's held-out AUC (absent when it has none: see TaskMetrics.auc)."""
     def __init__(
         self,
         *,
@@ -766,12 +777,15 @@ class EpochMetrics(_message.Message):
         evaluated: _builtins.bool = ...,
         steps: _builtins.int = ...,
         examples: _builtins.int = ...,
+        test_auc: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_test_auc", b"_test_auc", "test_auc", b"test_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accuracy", b"accuracy", "epoch", b"epoch", "evaluated", b"evaluated", "examples", b"examples", "loss", b"loss", "steps", b"steps", "test_accuracy", b"test_accuracy", "test_loss", b"test_loss"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_test_auc", b"_test_auc", "accuracy", b"accuracy", "epoch", b"epoch", "evaluated", b"evaluated", "examples", b"examples", "loss", b"loss", "steps", b"steps", "test_accuracy", b"test_accuracy", "test_auc", b"test_auc", "test_loss", b"test_loss"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__test_auc: _TypeAlias = _typing.Literal["test_auc"]  # noqa: Y015
+    _WhichOneofArgType__test_auc: _TypeAlias = _typing.Literal["_test_auc", b"_test_auc"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__test_auc) -> _WhichOneofReturnType__test_auc | None: ...
 
 Global___EpochMetrics: _TypeAlias = EpochMetrics  # noqa: Y015
 

@@ -77,11 +77,15 @@ class WorkerState(enum.Enum):
 
 @dataclass(frozen=True)
 class Metrics:
+    """What a task reports. `auc` is an evaluation's held-out AUC (None: the model gives no
+    scores, or a training task); AUCs do not add up, so a sum of metrics has none."""
+
     loss_sum: float = 0.0
     examples: int = 0
     correct: int = 0
     steps: int = 0
     seconds: float = 0.0
+    auc: float | None = None
 
     def __add__(self, other: "Metrics") -> "Metrics":
         return Metrics(self.loss_sum + other.loss_sum, self.examples + other.examples,
@@ -532,6 +536,7 @@ class JobRunner:
             "loss": number(last.train.mean_loss) if last else None,
             "accuracy": number(last.test.accuracy) if last and last.test else None,
             "test_loss": number(last.test.mean_loss) if last and last.test else None,
+            "auc": number(last.test.auc) if last and last.test else None,
             "train_accuracy": number(last.train.accuracy) if last else None,
             "job_elapsed_s": round(snap["elapsed_s"], 3),
             "steps_per_s": round(snap["steps"] / snap["elapsed_s"], 1) if snap["elapsed_s"] else None,

@@ -165,9 +165,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             m = request.metrics
             if m.examples < 0 or m.steps < 0 or m.correct < 0:
                 raise InvalidArgument("task metrics must not be negative")
+            auc = m.auc if m.HasField("auc") else None
+            if auc is not None and not 0.0 <= auc <= 1.0:  # NaN fails this too
+                raise InvalidArgument(f"task metrics: auc {auc} is not in [0, 1]")
             duplicate = self._runner.complete(
                 request.worker_id, request.incarnation, request.task_id,
-                Metrics(m.loss_sum, m.examples, m.correct, m.steps, m.seconds),
+                Metrics(m.loss_sum, m.examples, m.correct, m.steps, m.seconds, auc),
                 data_path=request.data_path)
             if not duplicate:
                 # On disk before the worker hears it: a task acknowledged as done is done
@@ -197,6 +200,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 test_loss=e.test.mean_loss if e.test else 0.0,
                 test_accuracy=e.test.accuracy if e.test else 0.0,
                 evaluated=e.test is not None, steps=e.train.steps, examples=e.train.examples,
+                test_auc=e.test.auc if e.test else None,
             ) for e in snap["metrics"]]
             job = self._runner.job
             return pb.ClusterStatus(

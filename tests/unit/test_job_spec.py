@@ -249,3 +249,45 @@ def test_checkpoint_intervals_are_seconds_or_steps(text, expected):
 def test_a_bad_checkpoint_interval_names_the_flag(text):
     with pytest.raises(ValueError, match="--checkpoint-every"):
         Interval.parse(text)
+
+
+# ---- defaults that depend on the model ----------------------------------------------------
+
+CTR_DEFAULTS = {"data": "synthetic_ctr", "hidden": (64, 32), "epochs": 5, "batch_size": 512}
+
+
+def test_embedding_mlp_has_defaults_of_its_own_from_flags_files_and_mappings(tmp_path):
+    flags = parse("--model", "embedding_mlp")
+    path = tmp_path / "job.yaml"
+    path.write_text("model: embedding_mlp\n")
+    for job in (flags, parse("--job", str(path)), JobSpec.from_mapping({"model": "embedding_mlp"})):
+        assert {k: getattr(job, k) for k in CTR_DEFAULTS} == CTR_DEFAULTS
+        assert (job.lr, job.optimizer, job.tasks_per_epoch) == (0.002, "adam", 8)
+
+
+def test_what_the_user_gives_beats_the_models_defaults(tmp_path):
+    job = parse("--model", "embedding_mlp", "--epochs", "2", "--data", "synthetic_ctr:5000")
+    assert (job.epochs, job.data, job.batch_size) == (2, "synthetic_ctr:5000", 512)
+    path = tmp_path / "job.yaml"
+    path.write_text("model: embedding_mlp\nbatch-size: 64\n")
+    assert parse("--job", str(path), "--hidden", "8").batch_size == 64
+    assert parse("--job", str(path), "--hidden", "8").hidden == (8,)
+    assert parse("--job", str(path), "--batch-size", "32").batch_size == 32
+
+
+def test_model_defaults_survive_the_json_round_trip_and_leave_other_models_alone():
+    job = JobSpec.from_mapping({"model": "embedding_mlp", "epochs": 1})
+    assert JobSpec.from_json(job.to_json()) == job
+    assert parse("--model", "mlp") == dataclasses.replace(JobSpec(), model="mlp")
+    assert JobSpec.from_mapping({"model": "logreg"}).data == "digits"
+
+
+@pytest.mark.parametrize("data", ["synthetic_ctr", "synthetic_ctr:1000"])
+def test_synthetic_ctr_is_a_data_set(data):
+    assert JobSpec(model="embedding_mlp", data=data).data == data
+
+
+def test_a_malformed_synthetic_ctr_is_refused():
+    with pytest.raises(JobError) as caught:
+        JobSpec(data="synthetic_ctr:many")
+    assert caught.value.field == "data"

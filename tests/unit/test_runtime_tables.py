@@ -1,0 +1,247 @@
+"""The Trainer with a model that has embedding tables, against an in-memory stand-in for
+PSClient: which rows are pulled and pushed (and when), the specs declared, evaluation with
+AUC; and that a dense model never touches the row calls."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from ps_common.job import JobSpec
+from ps_common.shardmap import Component
+from ps_worker.backend import NumpyBackend
+from ps_worker.coordinator_client import LeasedTask
+from ps_worker.data import iter_batches, load_dataset, task_indices
+from ps_worker.metrics import roc_auc
+from ps_worker.models import EmbeddingDef, EmbeddingMLP, VariableDef, build_model
+from ps_worker.runtime import EVAL_BATCH_WITH_TABLES, Trainer, variable_specs
+
+DATA = "synthetic_ctr:3000"
+
+
+def done(value=None) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class FakePS:
+    """The PSClient calls the Trainer makes, in memory: dense variables and fixed tables,
+    plain SGD (a table's gradients of repeated ids summed, as the servers do). Every call
+    is logged as (method, name or names, ids copy or None)."""
+
+    def __init__(self, lr: float = 0.0, seed: int = 0):
+        self.lr = lr
+        self.values: dict[str, np.ndarray] = {}
+        self.specs = []
+        self.calls: list[tuple[str, object, np.ndarray | None]] = []
+        self._rng = np.random.default_rng(seed)
+
+    def declare_many(self, specs):
+        self.specs = list(specs)
+        for spec in specs:
+            self.values[spec.name] = self._rng.uniform(-0.1, 0.1, spec.shape).astype(np.float32)
+
+    def pull(self, names, *, out=None, wire_dtype=None):
+        self.calls.append(("pull", tuple(names), None))
+        result = {}
+        for name in names:
+            target = out[name] if out is not None else np.empty_like(self.values[name])
+            np.copyto(target, self.values[name])
+            result[name] = target
+        return result
+
+    def pull_async(self, names, *, out=None, wire_dtype=None):
+        return done(self.pull(names, out=out))
+
+    def pull_rows(self, name, ids, *, out=None, wire_dtype=None):
+        assert ids.dtype == np.int64 and ids.ndim == 1
+        self.calls.append(("pull_rows", name, ids.copy()))
+        rows = self.values[name][ids]
+        if out is None:
+            return rows
+        assert out.shape == rows.shape and out.flags.c_contiguous
+        np.copyto(out, rows)
+        return out
+
+    def pull_rows_async(self, name, ids, *, out=None, wire_dtype=None):
+        return done(self.pull_rows(name, ids, out=out))
+
+    def push_async(self, grads, *, wire_dtype=None):
+        self.calls.append(("push", tuple(sorted(grads)), None))
+        for name, grad in grads.items():
+            assert grad.shape == self.values[name].shape
+            self.values[name] -= self.lr * grad
+        return done()
+
+    def push_rows_async(self, name, ids, grads, *, wire_dtype=None):
+        assert grads.shape == (len(ids), self.values[name].shape[1])
+        self.calls.append(("push_rows", name, ids.copy()))
+        np.add.at(self.values[name], ids, -self.lr * grads)
+        return done()
+
+    def flush(self, timeout=None):
+        self.calls.append(("flush", None, None))
+
+    def of(self, method: str) -> list:
+        return [call for call in self.calls if call[0] == method]
+
+
+def ctr_trainer(**job_fields) -> tuple[Trainer, FakePS]:
+    data = load_dataset(DATA)
+    job = JobSpec.from_mapping({"model": "embedding_mlp", "data": DATA, "batch_size": 64,
+                                "tasks_per_epoch": 4, **job_fields})
+    model = build_model(job.model, num_features=data.num_features, num_classes=2,
+                        hidden=job.hidden, field_sizes=data.field_sizes)
+    trainer = Trainer(job, data, model, NumpyBackend())
+    ps = FakePS()
+    ps.declare_many(trainer.specs)
+    return trainer, ps
+
+
+def task(index: int, epoch: int = 0, tasks: int = 4) -> LeasedTask:
+    return LeasedTask(task_id=1, kind="train", epoch=epoch, index=index, tasks_per_epoch=tasks)
+
+
+def test_tables_are_declared_as_embedding_specs_with_their_optimizer_and_seed() -> None:
+    class TwoTables:
+        def variables(self):
+            return [VariableDef("w", (3, 1), "glorot_uniform", seed=1)]
+
+        def tables(self):
+            return [EmbeddingDef("fixed", 4, num_rows=10, seed=5,
+                                 optimizer={"name": "adagrad", "lr": 0.1}),
+                    EmbeddingDef("hashed", 2, capacity=100, ttl_seconds=30.0,
+                                 init={"name": "normal", "stddev": 0.01})]
+
+    job = JobSpec(optimizer="adam", lr=0.003, seed=7)
+    dense, fixed, hashed = variable_specs(TwoTables(), job)
+    assert (dense.kind, dense.shape, dense.seed) == ("dense", (3, 1), 8)
+    assert dense.optimizer == Component.of({"name": "adam", "lr": 0.003})
+    assert (fixed.kind, fixed.shape, fixed.seed, fixed.capacity) == ("embedding", (10, 4), 12, 0)
+    assert fixed.optimizer == Component.of({"name": "adagrad", "lr": 0.1})
+    assert fixed.initializer == Component.of({"name": "uniform", "minval": -0.05, "maxval": 0.05})
+    assert (hashed.kind, hashed.shape, hashed.capacity, hashed.ttl_seconds) == (
+        "embedding", (0, 2), 100, 30.0)
+    assert hashed.dynamic and hashed.optimizer == dense.optimizer  # no override: the job's
+    assert hashed.initializer == Component.of({"name": "normal", "stddev": 0.01})
+
+
+def test_each_step_pulls_and_pushes_the_rows_of_its_batch_in_order_duplicates_included() -> None:
+    trainer, ps = ctr_trainer()
+    result = trainer.train(ps, task(1), should_stop=lambda: False)
+    indices = task_indices(trainer.dataset.num_train, epoch=0, task_index=1, tasks_per_epoch=4,
+                           seed=0)
+    batches = list(iter_batches(trainer.dataset, indices, 64))
+    expected = [trainer.model.row_ids(batch)["embedding"] for batch in batches]
+    pulled = [ids for _, name, ids in ps.of("pull_rows") if name == "embedding"]
+    pushed = [ids for _, name, ids in ps.of("push_rows") if name == "embedding"]
+    assert result.steps == len(batches) == len(pulled) == len(pushed)
+    for want, got_pulled, got_pushed in zip(expected, pulled, pushed):
+        np.testing.assert_array_equal(got_pulled, want)
+        np.testing.assert_array_equal(got_pushed, want)
+    # Zipf ids repeat within a batch; every occurrence is pulled and pushed as it is.
+    assert any(len(np.unique(ids)) < len(ids) for ids in pushed)
+    # Dense variables: pulled whole every step (never the table), pushed every step.
+    assert len(ps.of("pull")) == len(batches)
+    assert all("embedding" not in names for _, names, _ in ps.of("pull"))
+    assert all("embedding" not in names and names for _, names, _ in ps.of("push"))
+    assert len(ps.of("push")) == len(batches)
+    assert ps.calls[-1][0] == "flush"  # the task ends once its pushes have landed
+    assert result.examples == len(indices) and 0 <= result.correct <= result.examples
+
+
+def test_the_next_batchs_rows_are_pulled_before_this_steps_gradients_are_pushed() -> None:
+    trainer, ps = ctr_trainer()
+    trainer.train(ps, task(0), should_stop=lambda: False)
+    order = [method for method, _, _ in ps.calls if method in ("pull_rows", "push_rows")]
+    steps = order.count("push_rows")
+    # pull 0, pull 1, push 0, pull 2, push 1, ..., pull n-1, push n-2, push n-1
+    assert order == ["pull_rows"] + ["pull_rows", "push_rows"] * (steps - 1) + ["push_rows"]
+
+
+def test_row_buffers_are_reused_across_steps_and_tasks() -> None:
+    trainer, ps = ctr_trainer()
+    seen: list[np.ndarray] = []
+    pull_rows = ps.pull_rows
+
+    def recording(name, ids, *, out=None, wire_dtype=None):
+        seen.append(out)
+        return pull_rows(name, ids, out=out)
+
+    ps.pull_rows = recording
+    trainer.train(ps, task(0), should_stop=lambda: False)
+    trainer.train(ps, task(1), should_stop=lambda: False)
+    bases = {id(buffer.base if buffer.base is not None else buffer) for buffer in seen}
+    assert len(seen) > 4 and len(bases) == 2  # two slots, alternating, the last batch too
+
+
+def test_training_moves_exactly_the_rows_of_the_ids_it_saw() -> None:
+    trainer, ps = ctr_trainer()
+    ps.lr = 0.5
+    before = ps.values["embedding"].copy()
+    trainer.train(ps, task(2), should_stop=lambda: False)
+    seen = np.unique(np.concatenate([ids for _, _, ids in ps.of("push_rows")]))
+    changed = np.flatnonzero((ps.values["embedding"] != before).any(axis=1))
+    assert set(changed) <= set(seen) and len(changed) > 0.9 * len(seen)
+
+
+def test_a_stop_mid_task_leaves_no_pull_in_flight_and_flushes() -> None:
+    trainer, ps = ctr_trainer()
+    steps = iter(range(100))
+    result = trainer.train(ps, task(0), should_stop=lambda: next(steps) >= 3)
+    assert result.steps == 3 and len(ps.of("push_rows")) == 3
+    assert len(ps.of("pull_rows")) == 4 and ps.calls[-1][0] == "flush"
+
+
+def test_evaluation_pulls_the_rows_of_every_test_batch_and_reports_auc() -> None:
+    trainer, ps = ctr_trainer()
+    result = trainer.evaluate(ps)
+    data, model = trainer.dataset, trainer.model
+    pulled = [ids for _, _, ids in ps.of("pull_rows")]
+    batches = list(iter_batches(data, np.arange(data.num_test), EVAL_BATCH_WITH_TABLES,
+                                split="test"))
+    assert len(pulled) == len(batches) and not ps.of("push_rows") and not ps.of("push")
+    scores, loss_sum, correct = [], 0.0, 0
+    for batch, ids in zip(batches, pulled):
+        np.testing.assert_array_equal(ids, model.row_ids(batch)["embedding"])
+        params = {**ps.values, "embedding": ps.values["embedding"][ids]}
+        batch_loss, batch_correct, batch_scores = model.evaluate_and_scores(params, batch)
+        scores.append(batch_scores)
+        loss_sum, correct = loss_sum + batch_loss, correct + batch_correct
+    assert result.examples == data.num_test and result.correct == correct
+    assert result.loss_sum == pytest.approx(loss_sum)
+    assert result.auc == roc_auc(np.concatenate(scores), data.y_test)
+    assert 0.0 <= result.auc <= 1.0
+
+
+def test_a_few_epochs_through_the_trainer_learn_the_click_signal() -> None:
+    data = load_dataset("synthetic_ctr:20000")
+    job = JobSpec.from_mapping({"model": "embedding_mlp", "data": "synthetic_ctr:20000",
+                                "batch_size": 128, "tasks_per_epoch": 1})
+    model = EmbeddingMLP(data.num_features, data.field_sizes, hidden=(16,))
+    trainer = Trainer(job, data, model, NumpyBackend())
+    ps = FakePS(lr=0.5)
+    ps.declare_many(trainer.specs)
+    assert trainer.evaluate(ps).auc < 0.6
+    for epoch in range(3):
+        trainer.train(ps, task(0, epoch=epoch, tasks=1), should_stop=lambda: False)
+    assert trainer.evaluate(ps).auc > 0.7
+
+
+def test_a_dense_model_never_pulls_or_pushes_rows_and_has_no_auc() -> None:
+    data = load_dataset("digits")
+    model = build_model("mlp", num_features=data.num_features, num_classes=data.num_classes,
+                        hidden=(8,))
+    trainer = Trainer(JobSpec(batch_size=64), data, model, NumpyBackend())
+    ps = FakePS()
+    ps.declare_many(trainer.specs)
+    assert all(spec.kind == "dense" for spec in trainer.specs)
+    result = trainer.train(ps, task(0), should_stop=lambda: False)
+    evaluation = trainer.evaluate(ps)
+    assert result.steps > 0 and evaluation.examples == data.num_test
+    assert evaluation.auc is None
+    assert not ps.of("pull_rows") and not ps.of("push_rows")
+    assert all(names == tuple(trainer.names) for _, names, _ in ps.of("pull"))
