@@ -48,6 +48,7 @@ DOMAIN_MODULES = [
     "ps_common/job.py",
     "ps_worker/runtime.py",
     "ps_worker/data.py",
+    "ps_worker/metrics.py",
     "ps_worker/backend.py",
     "ps_worker/models/*.py",
 ]
