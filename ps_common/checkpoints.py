@@ -40,8 +40,9 @@ MANIFEST = "manifest.json"
 ID_PREFIX = "ckpt-"
 FORMAT = "paramserve-checkpoint"
 VERSION = 1
-# int64: an embedding table's per-row adam steps and a dynamic table's ids.
-_SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64"}
+# int64 and uint8: an embedding table's per-row adam steps, a dynamic table's ids and flags.
+_SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64",
+                       "uint8": "U8"}
 _NUMPY_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 _HASH_BLOCK = 4 << 20
 
@@ -402,7 +403,8 @@ class RowSource:
                            for name in slot_names}
             if spec.dynamic:
                 saved_ids = np.asarray(saved_slots["ids"])
-                mine = (saved_ids != -1) & (owners_of(spec, saved_ids, stride) == index)
+                mine = np.asarray(saved_slots["held"]).astype(bool) & (
+                    owners_of(spec, saved_ids, stride) == index)
             else:
                 saved_ids = np.arange(record.row_start, record.row_stop, record.stride)
                 mine = owners_of(spec, saved_ids, stride) == index

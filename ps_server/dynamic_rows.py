@@ -2,8 +2,9 @@
 a pool that grows as ids arrive, and evicted least recently used first (capacity) or when
 untouched for too long (ttl).
 
-The pool is plain arrays (values, optimizer slots and the id of every pool row, -1 for a
-free one), so that checkpoints and the sparse optimizers treat it like any shard's arrays.
+The pool is plain arrays (values, optimizer slots, the id of every pool row and whether it
+holds one: every int64 is a valid id, so no id can mark a free row), so that checkpoints and
+the sparse optimizers treat it like any shard's arrays.
 Not thread-safe: the store calls it under the shard's lock.
 """
 
@@ -15,10 +16,16 @@ import numpy as np
 
 from ps_common.errors import InvalidArgument
 
-# The slot holding each pool row's id (-1: free); saved in checkpoints with the others.
+# Slots holding each pool row's id and whether the row is in use (1) or free (0); saved in
+# checkpoints with the others.
 IDS_SLOT = "ids"
-FREE = -1
+HELD_SLOT = "held"
+BOOKKEEPING_SLOTS = (IDS_SLOT, HELD_SLOT)
+FREE = -1  # find()'s answer for an id the table does not hold
 MIN_POOL_ROWS = 64
+# Bytes a held row costs beyond its values and slots: its id, flag, last use (tick and time)
+# and its entry in the id -> row dict (a Python int key and value, and the dict's slot).
+ROW_OVERHEAD_BYTES = 8 + 1 + 8 + 8 + 100
 
 
 class DynamicRows:
@@ -38,8 +45,8 @@ class DynamicRows:
         self._make_slots = make_slots
         self._clock = clock
         self.values = np.empty((0, dim), self.dtype)
-        self.slots: dict[str, np.ndarray] = {**make_slots(0),
-                                             IDS_SLOT: np.empty(0, np.int64)}
+        self.slots: dict[str, np.ndarray] = {**make_slots(0), IDS_SLOT: np.empty(0, np.int64),
+                                             HELD_SLOT: np.empty(0, np.uint8)}
         self._index: dict[int, int] = {}
         self._free: list[int] = []
         self._last_tick = np.empty(0, np.int64)  # LRU order: the request that last touched it
@@ -56,8 +63,9 @@ class DynamicRows:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pool (free rows included) and of the index (estimated)."""
         return (self.values.nbytes + sum(a.nbytes for a in self.slots.values())
-                + self._last_tick.nbytes + self._last_time.nbytes)
+                + self._last_tick.nbytes + self._last_time.nbytes + 100 * len(self._index))
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """The pool rows of `ids` (-1 where not held), touching nothing."""
@@ -93,6 +101,7 @@ class DynamicRows:
             for name, array in self._make_slots(len(new_ids)).items():
                 self.slots[name][fresh] = array
             self.slots[IDS_SLOT][fresh] = new_ids
+            self.slots[HELD_SLOT][fresh] = 1
             self._index.update(zip(new_ids.tolist(), fresh.tolist()))
             rows[missing] = fresh
         self._tick += 1
@@ -109,13 +118,13 @@ class DynamicRows:
         if now < self._next_sweep:
             return 0
         self._next_sweep = now + self.ttl_s / 4
-        stale = np.flatnonzero((self.slots[IDS_SLOT] != FREE)
+        stale = np.flatnonzero(self.slots[HELD_SLOT].view(bool)
                                & (self._last_time < now - self.ttl_s))
         self._release(stale)
         return len(stale)
 
     def _evict_lru(self, count: int, keep: np.ndarray) -> None:
-        held = np.flatnonzero(self.slots[IDS_SLOT] != FREE)
+        held = np.flatnonzero(self.slots[HELD_SLOT].view(bool))
         if len(keep):
             held = held[~np.isin(held, keep)]
         if count < len(held):
@@ -126,10 +135,9 @@ class DynamicRows:
     def _release(self, rows: np.ndarray) -> None:
         if not len(rows):
             return
-        ids = self.slots[IDS_SLOT]
-        for identifier in ids[rows].tolist():
+        for identifier in self.slots[IDS_SLOT][rows].tolist():
             del self._index[identifier]
-        ids[rows] = FREE
+        self.slots[HELD_SLOT][rows] = 0
         self._free.extend(rows.tolist())
         self.evictions += len(rows)
 
@@ -153,8 +161,7 @@ class DynamicRows:
             return bigger
 
         self.values = grown(self.values, 0)
-        self.slots = {name: grown(array, FREE if name == IDS_SLOT else 0)
-                      for name, array in self.slots.items()}
+        self.slots = {name: grown(array, 0) for name, array in self.slots.items()}
         self._last_tick = grown(self._last_tick, 0)
         self._last_time = grown(self._last_time, 0.0)
         # Reversed, so that rows are taken from the front of the new space first.
@@ -164,12 +171,12 @@ class DynamicRows:
 
     def adopt(self, values: np.ndarray, slots: dict[str, np.ndarray]) -> None:
         """Take over a pool read back from a checkpoint (its rows all count as used now)."""
-        ids = slots[IDS_SLOT]
-        held = np.flatnonzero(ids != FREE)
-        if len(np.unique(ids[held])) != len(held):
+        held = np.flatnonzero(slots[HELD_SLOT].view(bool))
+        ids = slots[IDS_SLOT][held]
+        if len(np.unique(ids)) != len(held):
             raise ValueError("a dynamic table's checkpointed ids repeat")
         self.values, self.slots = values, dict(slots)
-        self._index = dict(zip(ids[held].tolist(), held.tolist()))
-        self._free = np.flatnonzero(ids == FREE)[::-1].tolist()
+        self._index = dict(zip(ids.tolist(), held.tolist()))
+        self._free = np.flatnonzero(~slots[HELD_SLOT].view(bool))[::-1].tolist()
         self._last_tick = np.zeros(len(values), np.int64)
         self._last_time = np.full(len(values), self._clock(), np.float64)

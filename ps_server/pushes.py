@@ -101,13 +101,14 @@ class PushReceiver:
 
     def _apply(self, header: PushHeader, targets, grads, after_block=None) -> bool:
         self._store.check_gradients(targets, grads, after_block)
+        rows = self._store.sum_rows(targets, grads, header.row_ids)
         # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
         # checkpoint with its ledger entry, or not at all.
         with self._store.gate.shared(), self._ledger.exactly_once(
                 header.client_id, header.incarnation, header.sequence,
                 header.acked_through) as duplicate:
             if not duplicate:
-                self._store.apply(targets, grads, after_block, header.row_ids)
+                self._store.apply(targets, grads, after_block, rows)
         return duplicate
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ps_common.checkpoints import CheckpointError, RowSource
 from ps_common.shardmap import Shard, VariableSpec
-from ps_server.dynamic_rows import IDS_SLOT
+from ps_server.dynamic_rows import BOOKKEEPING_SLOTS
 from ps_server.optimizers import make_state, resolve_knobs
 from ps_server.store import HeldShard, make_shard_state
 
@@ -89,7 +89,7 @@ class ShardRestore:
         """A table's rows come back by id, so the checkpoint may have cut it into another
         number of shards; a dynamic table's come back as the rows it held."""
         empty = make_shard_state(spec, (0, *spec.shape[1:]))
-        slot_names = sorted(empty.slots) + ([IDS_SLOT] if spec.dynamic else [])
+        slot_names = sorted(empty.slots) + (list(BOOKKEEPING_SLOTS) if spec.dynamic else [])
         ids, values, slots, updates, steps = self._source.load_table(
             spec, shard.index, shard.stride, slot_names)
         if spec.dynamic:

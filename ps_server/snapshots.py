@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,22 +188,27 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
         ledger_state = ledger.export()
         capture = Capture(shards, memory_bytes)
         store.begin_capture(capture)
+        # The tensors' shapes at the cut. A dynamic table's arrays grow (are replaced) as
+        # rows are made, but any change after this point preserves a copy first, and a
+        # change begun before it has ended once its lock is ours.
+        layout = {}
+        for held in shards:
+            with held.lock:
+                layout[id(held)] = [(tensor, str(array.dtype), array.shape)
+                                    for tensor, array in _tensors_of(held, held.values,
+                                                                     held.state.slots)]
     try:
         ledger_file = write_json(directory / f"{server_id}.ledger.json", ledger_state)
         tensors_name = f"{server_id}.safetensors"
-        tensors = []
-        for held in shards:
-            name, index = held.key
-            tensors.append((values_name(name, index), str(held.values.dtype), held.shape))
-            tensors += [(slot_name(name, index, slot), str(a.dtype), a.shape)
-                        for slot, a in sorted(held.state.slots.items())]
+        tensors = [entry for held in shards for entry in layout[id(held)]]
         writer = TensorFileWriter(directory / tensors_name, tensors,
                                   {"format": "paramserve", "server_id": server_id,
                                    "epoch": str(epoch)})
         saved = []
         try:
             for held in shards:
-                saved.append(_write_shard(writer, capture, held, tensors_name))
+                saved.append(_write_shard(writer, capture, held, tensors_name,
+                                          layout[id(held)]))
             tensors_file = writer.commit()
         except BaseException:
             writer.abort()
@@ -214,7 +220,15 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
     return SaveOutcome([tensors_file, ledger_file], saved, pushes)
 
 
-def _write_shard(writer: TensorFileWriter, capture: Capture, held, file: str) -> SavedShardInfo:
+def _tensors_of(held, values: np.ndarray, slots: dict[str, np.ndarray]):
+    """A shard's tensors in file order: its values, then its slots by name."""
+    name, index = held.key
+    return [(values_name(name, index), values)] + [
+        (slot_name(name, index, slot), slots[slot]) for slot in sorted(slots)]
+
+
+def _write_shard(writer: TensorFileWriter, capture: Capture, held, file: str,
+                 layout: list) -> SavedShardInfo:
     """Write one shard as it was at the cut. Blocks are read from the live values under the
     shard's lock (held for one block's copy, never for the disk); once a push has preserved
     the shard (it copies it before changing it), the rest comes from that copy."""
@@ -223,21 +237,23 @@ def _write_shard(writer: TensorFileWriter, capture: Capture, held, file: str) ->
         copy = capture.copy_of(held)
         info = (SavedShardInfo(name, index, copy.updates, copy.optimizer_steps, file) if copy
                 else SavedShardInfo(name, index, held.updates, held.state.steps, file))
-    tensors = [(values_name(name, index), lambda source: source[0])]
-    tensors += [(slot_name(name, index, slot), lambda source, slot=slot: source[1][slot])
-                for slot in sorted(held.state.slots)]
-    for tensor, pick in tensors:
+    for position_in_shard, (tensor, _, shape) in enumerate(layout):
         writer.begin(tensor)
         position = 0
-        total = pick((held.values, held.state.slots)).size
+        total = math.prod(shape)
         while position < total:
             with held.lock:
                 copy = copy or capture.copy_of(held)
                 if copy is None:
-                    flat = pick((held.values, held.state.slots)).reshape(-1)
+                    flat = _tensors_of(held, held.values, held.state.slots)[
+                        position_in_shard][1].reshape(-1)
                     block = flat[position:position + BLOCK_ELEMENTS].copy()
             if copy is not None:
-                block = pick((copy.values, copy.slots)).reshape(-1)[position:]
+                block = _tensors_of(held, copy.values, copy.slots)[
+                    position_in_shard][1].reshape(-1)[position:total]
+            if not block.size:
+                raise RuntimeError(f"{held.describe()}: {tensor} holds fewer than the "
+                                   f"{total} elements it had at the checkpoint's cut")
             writer.append(block)
             position += block.size
         writer.end()

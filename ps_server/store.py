@@ -21,9 +21,11 @@ from ps_common.rows import dedup, sum_duplicates
 from ps_common.shardmap import Shard, VariableSpec, owners_of, shard_capacity
 from ps_common.shm import VERSION
 from ps_common.tensors import TensorMeta, all_finite, check_narrowing
-from ps_server.dynamic_rows import IDS_SLOT, DynamicRows
+from ps_server.dynamic_rows import BOOKKEEPING_SLOTS, DynamicRows
 from ps_server.initializers import initialize_ids, initialize_rows, validate_initializer
-from ps_server.optimizers import ShardOptimizerState, apply_update, make_state, resolve_knobs
+from ps_server.optimizers import (
+    ShardOptimizerState, apply_update, compute_dtype, make_state, resolve_knobs,
+)
 from ps_server.snapshots import UpdateGate
 from ps_server.sparse_optimizers import apply_rows, make_row_slots
 
@@ -78,7 +80,7 @@ class HeldShard:
 
     @property
     def optimizer_slots(self) -> dict[str, np.ndarray]:
-        return {k: v for k, v in self.state.slots.items() if k != IDS_SLOT}
+        return {k: v for k, v in self.state.slots.items() if k not in BOOKKEEPING_SLOTS}
 
 
 def make_shard_state(spec: VariableSpec, shape: tuple[int, ...]) -> ShardOptimizerState:
@@ -407,13 +409,36 @@ class ShardStore:
                     "nothing was applied (start the server with --allow-non-finite to accept them)"
                 )
 
+    def sum_rows(self, targets: list[HeldShard], grads: list[np.ndarray],
+                 row_ids: list[np.ndarray | None] | None) -> list | None:
+        """For each row push: its distinct ids and the sum of each one's gradient rows, in the
+        optimizer's compute dtype, refused (nothing applied) if a sum is not finite: finite
+        gradients of a repeated id may overflow together. None for the other pushes."""
+        if row_ids is None:
+            return None
+        rows = []
+        for held, grad, ids in zip(targets, grads, row_ids):
+            if ids is None:
+                rows.append(None)
+                continue
+            unique, inverse = dedup(ids)
+            with np.errstate(over="ignore"):  # an overflow is refused just below
+                summed = sum_duplicates(grad.astype(compute_dtype(held.spec.dtype), copy=False),
+                                        inverse, len(unique))
+            if not self.allow_non_finite and summed.size and not all_finite(summed):
+                raise InvalidArgument(
+                    f"{held.describe()}: the gradients of a repeated id sum to a non-finite "
+                    "value (NaN or Inf); nothing was applied (start the server with "
+                    "--allow-non-finite to accept them)")
+            rows.append((unique, summed))
+        return rows
+
     def apply(self, targets: list[HeldShard], grads: list[np.ndarray],
-              after_block=None, row_ids: list[np.ndarray | None] | None = None) -> None:
+              after_block=None, rows: list | None = None) -> None:
         """Apply validated gradients, all shards or none: locks are taken in key order.
-        `after_block` as for check_gradients. A row push (`row_ids[i]` not None) sums the
-        gradients of repeated ids and updates the touched rows only."""
-        rows = [None if ids is None else _summed(ids, grad)
-                for ids, grad in zip(row_ids or [None] * len(targets), grads)]
+        `after_block` as for check_gradients. A row push (`rows[i]`, from sum_rows, not None)
+        updates the touched rows only."""
+        rows = rows or [None] * len(targets)
         with self._updating(targets):
             for held, grad, touched in zip(targets, grads, rows):
                 if held.seqlock is not None:
@@ -484,9 +509,3 @@ class ShardStore:
                     stats.append(TableStats(*held.key, held.shape[0], 0, held.values.nbytes + sum(
                         a.nbytes for a in held.state.slots.values())))
         return stats
-
-
-def _summed(ids: np.ndarray, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct ids and the sum of each one's gradient rows."""
-    unique, inverse = dedup(ids)
-    return unique, sum_duplicates(grad, inverse, len(unique))

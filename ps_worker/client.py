@@ -35,7 +35,7 @@ from ps_common.rpc import (
     make_channel,
 )
 from ps_common.shardmap import (
-    EMBEDDING, Component, Shard, ShardMap, VariableSpec, rows_by_server,
+    EMBEDDING, Component, Shard, ShardMap, VariableSpec, rows_by_server, shard_capacity,
 )
 from ps_common.status import RemoteError
 from ps_common.tensors import (
@@ -622,7 +622,7 @@ class PSClient:
             result = self._rows_output(spec, len(ids), out)
             unique, inverse = dedup(ids)
             rows = np.empty((len(unique), spec.shape[1]), spec.dtype)
-            groups = rows_by_server(spec, shard_map.shards_of(name), unique)
+            groups = self._rows_by_server(spec, shard_map, unique)
             try:
                 self._run_groups(groups, lambda server_id, parts: self._pull_rows_from(
                     shard_map, server_id, parts, unique, rows, wire_dtype))
@@ -656,7 +656,7 @@ class PSClient:
         summed, wire = self._encode(spec, sum_duplicates(grads, inverse, len(unique)),
                                     (len(unique), spec.shape[1]), wire_dtype)
         pieces = [_Piece(shard, np.ascontiguousarray(summed[positions]), wire, unique[positions])
-                  for parts in rows_by_server(spec, shard_map.shards_of(name), unique).values()
+                  for parts in self._rows_by_server(spec, shard_map, unique).values()
                   for shard, positions in parts]
         self._send(shard_map, pieces)
 
@@ -665,6 +665,25 @@ class PSClient:
         """`push_rows` in the background, in the same window as `push_async` (`flush`
         waits for both). The caller must not modify `ids` or `grads` until it is done."""
         return self._push_in_background(self.push_rows, name, ids, grads, wire_dtype=wire_dtype)
+
+    @staticmethod
+    def _rows_by_server(spec: VariableSpec, shard_map: ShardMap, unique: np.ndarray):
+        """rows_by_server, refusing (before anything is sent) a request that would take more
+        of a dynamic table's shard than its share of the capacity: servers refuse their part
+        of it, but the others would have made (and evicted) rows for theirs."""
+        groups = rows_by_server(spec, shard_map.shards_of(spec.name), unique)
+        if spec.dynamic and spec.capacity:
+            for parts in groups.values():
+                for shard, positions in parts:
+                    if len(positions) > shard_capacity(spec, shard):
+                        raise _local_error(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"table {spec.name!r}: {len(positions)} of the request's distinct "
+                            f"ids fall on shard {shard.index}, more than its share of the "
+                            f"table's capacity ({shard_capacity(spec, shard)} of "
+                            f"{spec.capacity} rows): send fewer ids at once or declare a larger "
+                            "capacity; nothing was sent")
+        return groups
 
     @staticmethod
     def _row_ids(name: str, ids) -> np.ndarray:

@@ -10,7 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
+from ps_common.rows import hash_ids
 from ps_common.shardmap import Component, VariableSpec
+from ps_common.tensors import TensorMeta
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
 from ps_server.initializers import initialize_ids
@@ -232,7 +234,7 @@ def test_tables_come_back_from_a_checkpoint_on_any_server_count(make_cluster, tm
                              capacity=500)
 
     fixed_ids = zipf_ids(rng, 200, 100)
-    dyn_ids = rng.integers(-2**40, 2**40, 50)
+    dyn_ids = np.concatenate([[-1, 0], rng.integers(-2**40, 2**40, 48)])  # -1 is an id too
     first = make_cluster(servers=2, checkpoint_dir=tmp_path)
     with PSClient(first.coordinator_address) as ps:
         declare(ps)
@@ -259,6 +261,60 @@ def test_tables_come_back_from_a_checkpoint_on_any_server_count(make_cluster, tm
         held = sum(t.rows for s in second.servers for t in s.store.table_stats()
                    if t.variable == "dyn")
         assert held == 50
+
+
+def test_a_checkpoint_taken_while_a_dynamic_table_grows_holds_the_table_at_its_cut(
+        make_cluster, tmp_path, monkeypatch):
+    """A push between the cut and the writer reaching the table makes new rows (its pool
+    is replaced by a larger one): the checkpoint still ends, with the rows of the cut."""
+    from ps_server import snapshots
+
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("dyn", dim=4, init=UNIFORM, optimizer=SGD1)
+        ps.push_rows("dyn", np.arange(10, dtype=np.int64), np.ones((10, 4), np.float32))
+        at_cut = ps.pull_rows("dyn", np.arange(10, dtype=np.int64))
+        write_shard = snapshots._write_shard
+
+        def growing_first(writer, capture, held, *args):
+            if held.key[0] == "dyn" and not growing_first.done:
+                growing_first.done = True
+                ps.push_rows("dyn", np.arange(1000, 1500, dtype=np.int64),
+                             np.ones((500, 4), np.float32))
+            return write_shard(writer, capture, held, *args)
+
+        growing_first.done = False
+        monkeypatch.setattr(snapshots, "_write_shard", growing_first)
+        cluster.checkpoint()
+        assert growing_first.done
+    cluster.stop()
+
+    again = make_cluster(servers=2, checkpoint_dir=tmp_path)
+    with PSClient(again.coordinator_address) as ps:
+        ps.declare_embedding("dyn", dim=4, init=UNIFORM, optimizer=SGD1)
+        np.testing.assert_array_equal(ps.pull_rows("dyn", np.arange(10, dtype=np.int64)),
+                                      at_cut)
+        assert sum(t.rows for s in again.servers for t in s.store.table_stats()) == 10
+
+
+def test_a_refused_request_over_a_shards_capacity_share_changes_no_shard(make_cluster):
+    cluster = make_cluster(servers=2)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("dyn", dim=2, init=UNIFORM, optimizer=SGD1, capacity=20)
+        shards = ps.shard_map.shards_of("dyn")
+        candidates = np.arange(10_000, dtype=np.int64)
+        owners = (hash_ids(candidates) % np.uint64(2)).astype(int)
+        on = [candidates[owners == i] for i in range(2)]
+        ps.push_rows("dyn", np.concatenate([on[0][:10], on[1][:10]]),
+                     np.ones((20, 2), np.float32))  # both shards full of trained rows
+        before = [t for s in cluster.servers for t in s.store.table_stats()]
+        # 15 distinct ids (under the capacity), but 11 on shard 0, whose share is 10.
+        request = np.concatenate([on[0][10:21], on[1][10:14]])
+        expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.pull_rows, "dyn", request)
+        expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push_rows, "dyn", request,
+                     np.ones((15, 2), np.float32))
+        assert [t for s in cluster.servers for t in s.store.table_stats()] == before
+        assert len(shards) == 2
 
 
 # ---- bad input -------------------------------------------------------------------------
@@ -330,6 +386,17 @@ def test_bad_row_requests_straight_to_a_server(cluster):
             assert caught.value.code() == code, caught.value.details()
         answer = pull(np.array([shard.index, shard.index], np.int64).tobytes())
         assert len(answer.data) == 2 * 2 * 4
+        # Two finite gradients of one id whose sum overflows: refused, nothing applied.
+        ids = np.array([shard.index, shard.index], np.int64)
+        header = ps_pb.PushHeader(
+            client_id="raw", incarnation=1, sequence=1, epoch=shard_map.epoch,
+            shards=[ps_pb.ShardRef(variable="emb", index=shard.index, row_ids=ids.tobytes())],
+            tensors=[TensorMeta("float32", (2, 2)).to_proto()])
+        grads = np.full((2, 2), 3e38, np.float32)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Push(iter([ps_pb.PushChunk(header=header, data=grads.tobytes())]), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "non-finite" in caught.value.details()
     finally:
         channel.close()
     with PSClient(cluster.coordinator_address) as ps:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ps_common.errors import InvalidArgument
-from ps_server.dynamic_rows import FREE, IDS_SLOT, DynamicRows
+from ps_server.dynamic_rows import FREE, HELD_SLOT, IDS_SLOT, DynamicRows
 
 
 class Clock:
@@ -32,7 +32,7 @@ def ids(*values) -> np.ndarray:
 
 
 def held_ids(t: DynamicRows) -> set[int]:
-    return {i for i in t.slots[IDS_SLOT].tolist() if i != FREE}
+    return set(t.slots[IDS_SLOT][t.slots[HELD_SLOT] == 1].tolist())
 
 
 def test_rows_are_made_once_with_their_initial_values_and_fresh_slots():
@@ -114,3 +114,21 @@ def test_adopt_rebuilds_the_index_from_checkpointed_arrays():
     with pytest.raises(ValueError, match="repeat"):
         table().adopt(values, {**slots, IDS_SLOT: np.where(slots[IDS_SLOT] == 5, 4,
                                                            slots[IDS_SLOT])})
+
+
+def test_every_int64_is_an_id_minus_one_included():
+    """No id marks a free row: -1 is evicted, expired and restored like any other."""
+    clock = Clock()
+    t = table(capacity=2, ttl_s=10.0, clock=clock)
+    t.locate(ids(-1))
+    t.locate(ids(0))
+    t.locate(ids(5))  # evicts -1, the least recently used
+    assert held_ids(t) == {0, 5} and t.rows_held == 2
+    t.locate(ids(-1))
+    assert held_ids(t) == {5, -1}
+    values, slots = t.values.copy(), {k: v.copy() for k, v in t.slots.items()}
+    restored = table(capacity=2, clock=clock)
+    restored.adopt(values, slots)
+    assert held_ids(restored) == {5, -1}
+    clock.now += 20
+    assert t.expire() == 2 and t.rows_held == 0
