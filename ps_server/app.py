@@ -93,11 +93,12 @@ class ParameterServer:
     def __init__(self, config: ServerConfig, *, interceptors=()):
         self.config = config
         self.shared = self._shared_memory(config)
-        self.store = ShardStore(allow_non_finite=config.allow_non_finite, memory=self.shared)
-        self.ledger = PushLedger()
-        self.fence = CoordinatorFence()
         self.memory_budget_bytes = (default_memory_budget() if config.memory_budget_bytes is None
                                     else config.memory_budget_bytes)
+        self.store = ShardStore(allow_non_finite=config.allow_non_finite, memory=self.shared,
+                                memory_budget=self.memory_budget_bytes)
+        self.ledger = PushLedger()
+        self.fence = CoordinatorFence()
         self.streams = StreamLimiter(
             max_streams=config.max_streams, idle_timeout_s=config.stream_idle_timeout_s,
             name=f"ps-server-{config.server_id}" if config.server_id else "ps-server")

@@ -10,6 +10,7 @@ Not thread-safe: the store calls it under the shard's lock.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -31,12 +32,13 @@ ROW_OVERHEAD_BYTES = 8 + 1 + 8 + 8 + 100
 class DynamicRows:
     """`make_rows(ids)` gives the initial rows of new ids, `make_slots(n)` the optimizer
     slots of n new rows (a dict of arrays with n rows). `capacity` 0 means unlimited,
-    `ttl_s` 0 means never expire; `clock()` is monotonic seconds."""
+    `ttl_s` 0 means never expire; `clock()` is monotonic seconds. `admit(nbytes)`, called
+    before the pool grows, raises to refuse the growth (a server's memory budget)."""
 
     def __init__(self, dim: int, dtype: str, *, capacity: int, ttl_s: float,
                  make_rows: Callable[[np.ndarray], np.ndarray],
                  make_slots: Callable[[int], dict[str, np.ndarray]],
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], admit: Callable[[int], None] | None = None):
         self.dim = dim
         self.dtype = np.dtype(dtype)
         self.capacity = capacity
@@ -44,6 +46,7 @@ class DynamicRows:
         self._make_rows = make_rows
         self._make_slots = make_slots
         self._clock = clock
+        self._admit = admit  # admit(bytes) raises when the pool may not grow by that much
         self.values = np.empty((0, dim), self.dtype)
         self.slots: dict[str, np.ndarray] = {**make_slots(0), IDS_SLOT: np.empty(0, np.int64),
                                              HELD_SLOT: np.empty(0, np.uint8)}
@@ -66,6 +69,12 @@ class DynamicRows:
         """Bytes of the pool (free rows included) and of the index (estimated)."""
         return (self.values.nbytes + sum(a.nbytes for a in self.slots.values())
                 + self._last_tick.nbytes + self._last_time.nbytes + 100 * len(self._index))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one pool row: its values and slots."""
+        return self.values.itemsize * self.dim + sum(
+            array.itemsize * math.prod(array.shape[1:]) for array in self.slots.values())
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """The pool rows of `ids` (-1 where not held), touching nothing."""
@@ -153,6 +162,8 @@ class DynamicRows:
         size = max(at_least, 2 * old, MIN_POOL_ROWS)
         if self.capacity:
             size = max(min(size, self.capacity), at_least)
+        if self._admit is not None:
+            self._admit((size - old) * (self.row_bytes + ROW_OVERHEAD_BYTES))
 
         def grown(array: np.ndarray, fill) -> np.ndarray:
             bigger = np.empty((size, *array.shape[1:]), array.dtype)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps_common.errors import (
-    InvalidArgument, NotReady, OutOfRange, StaleEpoch, TrainedShardConflict, UnknownVariable,
+    InvalidArgument, NotReady, OutOfRange, ResourceExhausted, StaleEpoch, TrainedShardConflict,
+    UnknownVariable,
 )
 from ps_common.rows import dedup, sum_duplicates
 from ps_common.shardmap import Shard, VariableSpec, owners_of, shard_capacity
@@ -135,8 +136,10 @@ class AssignOutcome:
 class ShardStore:
     """Thread-safe. Holds shards keyed by (variable, shard index) and the shard-map epoch."""
 
-    def __init__(self, *, allow_non_finite: bool = False, memory=None, clock=time.monotonic):
+    def __init__(self, *, allow_non_finite: bool = False, memory=None, clock=time.monotonic,
+                 memory_budget: int = 0):
         self.allow_non_finite = allow_non_finite
+        self.memory_budget = memory_budget  # bytes; 0 = none (dynamic tables grow within it)
         self.clock = clock  # dynamic tables' ttl
         self.memory = memory or PlainMemory()
         self._shards: dict[tuple[str, int], HeldShard] = {}
@@ -283,7 +286,8 @@ class ShardStore:
             dim, spec.dtype, capacity=shard_capacity(spec, shard), ttl_s=spec.ttl_seconds,
             make_rows=lambda ids: initialize_ids(spec.initializer, spec.seed, ids, dim,
                                                  spec.dtype, num_rows=None),
-            make_slots=lambda n: make_row_slots(spec, (n, dim)), clock=self.clock)
+            make_slots=lambda n: make_row_slots(spec, (n, dim)), clock=self.clock,
+            admit=self._admit)
         return HeldShard(spec, shard, rows.values, ShardOptimizerState(rows.slots),
                          resolve_knobs(spec), dynamic=rows)
 
@@ -440,7 +444,11 @@ class ShardStore:
         updates the touched rows only."""
         rows = rows or [None] * len(targets)
         with self._updating(targets):
-            for held, grad, touched in zip(targets, grads, rows):
+            # Every row found (or made) before anything changes: a dynamic table refused room
+            # (the memory budget) leaves every shard of the push as it was.
+            local = [None if touched is None else self._local_rows(held, touched[0])
+                     for held, touched in zip(targets, rows)]
+            for held, grad, touched, where in zip(targets, grads, rows, local):
                 if held.seqlock is not None:
                     held.seqlock[VERSION] += 1  # odd: readers of the segment retry
                 try:
@@ -448,22 +456,30 @@ class ShardStore:
                         apply_update(held.spec, held.knobs, held.values, held.state, grad,
                                      after_block)
                     else:
-                        self._apply_rows(held, *touched)
+                        held.state.steps += 1
+                        apply_rows(held.spec, held.knobs, held.values, held.optimizer_slots,
+                                   where, touched[1])
                 finally:
                     if held.seqlock is not None:
                         held.seqlock[VERSION] += 1
                 held.updates += 1
 
     @staticmethod
-    def _apply_rows(held: HeldShard, ids: np.ndarray, grad: np.ndarray) -> None:
+    def _local_rows(held: HeldShard, ids: np.ndarray) -> np.ndarray:
         if held.dynamic is None:
-            local = ids // held.shard.stride
-        else:
-            # Rows evicted since (or never pulled) are made from the initializer first.
-            local = held.dynamic.locate(ids)
-            held.sync_pool()
-        held.state.steps += 1
-        apply_rows(held.spec, held.knobs, held.values, held.optimizer_slots, local, grad)
+            return ids // held.shard.stride
+        # Rows evicted since (or never pulled) are made from the initializer first.
+        local = held.dynamic.locate(ids)
+        held.sync_pool()
+        return local
+
+    def _admit(self, nbytes: int) -> None:
+        """A dynamic table's pool may grow by `nbytes` only within the memory budget."""
+        if self.memory_budget and self.nbytes() + nbytes > self.memory_budget:
+            raise ResourceExhausted(
+                f"this server's memory budget ({self.memory_budget} bytes) has no room for a "
+                f"dynamic table to grow by {nbytes} bytes; nothing was applied (declare the "
+                "table with a capacity, add servers or raise --memory-budget)")
 
     @contextlib.contextmanager
     def _updating(self, targets: list[HeldShard]):

@@ -59,6 +59,9 @@ _NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
                         grpc.StatusCode.CANCELLED})
 # Deadline of the one GetShardMap with which a waiting call checks whether its server moved.
 MOVED_CHECK_TIMEOUT_S = 5.0
+# Row ids of an embedding table travel in a call's first message, beside up to 3 MiB of
+# tensor bytes under gRPC's 4 MiB: 512 KiB of them per call at most.
+MAX_ROW_IDS_PER_CALL = 65_536
 # After a shared-memory handshake call failed, calls to that server go over gRPC this long
 # before the handshake is tried again.
 HANDSHAKE_RETRY_S = 5.0
@@ -655,10 +658,16 @@ class PSClient:
         # Summed before narrowing to the wire dtype; a NaN or Inf anywhere shows in the sums.
         summed, wire = self._encode(spec, sum_duplicates(grads, inverse, len(unique)),
                                     (len(unique), spec.shape[1]), wire_dtype)
-        pieces = [_Piece(shard, np.ascontiguousarray(summed[positions]), wire, unique[positions])
-                  for parts in self._rows_by_server(spec, shard_map, unique).values()
-                  for shard, positions in parts]
-        self._send(shard_map, pieces)
+        groups = self._rows_by_server(spec, shard_map, unique)
+        # The ids travel in the push's header: a server's part of more than
+        # MAX_ROW_IDS_PER_CALL rows goes in several pushes, each exactly-once and
+        # all-or-nothing.
+        batches = [_id_batches(parts) for parts in groups.values()]
+        for round_ in range(max(len(b) for b in batches)):
+            self._send(shard_map, [
+                _Piece(shard, np.ascontiguousarray(summed[positions]), wire, unique[positions])
+                for server_batches in batches if round_ < len(server_batches)
+                for shard, positions in server_batches[round_]])
 
     def push_rows_async(self, name: str, ids, grads, *,
                         wire_dtype: str | None = None) -> futures.Future:
@@ -728,15 +737,18 @@ class PSClient:
         if not spec.dynamic and self._pull_rows_shared(shard_map, server_id, parts, ids, rows,
                                                        wire_dtype):
             return
-        received = [np.empty((len(p), spec.shape[1]), wire_raw_dtype(wire)) for _, p in parts]
-        request = ps_pb.PullRequest(
-            epoch=shard_map.epoch,
-            shards=[ps_pb.ShardRef(variable=s.variable, index=s.index, row_ids=i.tobytes())
-                    for (s, _), i in zip(parts, ids)],
-            wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0)
-        self._receive(shard_map, server_id, request, received)
-        for (_, positions), raw in zip(parts, received):
-            rows[positions] = from_wire(raw, wire)
+        # The ids travel in the request message: at most MAX_ROW_IDS_PER_CALL per call.
+        for batch in _id_batches(parts):
+            received = [np.empty((len(p), spec.shape[1]), wire_raw_dtype(wire))
+                        for _, p in batch]
+            request = ps_pb.PullRequest(
+                epoch=shard_map.epoch,
+                shards=[ps_pb.ShardRef(variable=s.variable, index=s.index,
+                                       row_ids=unique[p].tobytes()) for s, p in batch],
+                wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0)
+            self._receive(shard_map, server_id, request, received)
+            for (_, positions), raw in zip(batch, received):
+                rows[positions] = from_wire(raw, wire)
 
     def _pull_rows_shared(self, shard_map: ShardMap, server_id: str,
                           parts: list[tuple[Shard, np.ndarray]], ids: list[np.ndarray],
@@ -1153,6 +1165,22 @@ class PSClient:
         futures.wait(pending)
         for future in pending:
             future.result()
+
+
+def _id_batches(parts: list[tuple[Shard, np.ndarray]]) -> list[list[tuple[Shard, np.ndarray]]]:
+    """One server's (shard, positions) parts cut into calls of at most MAX_ROW_IDS_PER_CALL
+    ids (they travel in the call's first message, bounded by the gRPC message size)."""
+    batches: list[list[tuple[Shard, np.ndarray]]] = [[]]
+    room = MAX_ROW_IDS_PER_CALL
+    for shard, positions in parts:
+        while len(positions):
+            if not room:
+                batches.append([])
+                room = MAX_ROW_IDS_PER_CALL
+            batches[-1].append((shard, positions[:room]))
+            room -= len(batches[-1][-1][1])
+            positions = positions[len(batches[-1][-1][1]):]
+    return batches
 
 
 def _result(call, server_id: str):

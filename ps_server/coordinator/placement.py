@@ -18,6 +18,7 @@ import numpy as np
 
 from ps_common.errors import InvalidArgument, NotReady, ResourceExhausted
 from ps_common.shardmap import Shard, ShardMap, VariableSpec, shard_capacity, split_rows
+from ps_server.dynamic_rows import ROW_OVERHEAD_BYTES
 from ps_server.optimizers import SLOTS, compute_dtype
 
 
@@ -34,7 +35,8 @@ def footprint(spec: VariableSpec, rows: int) -> int:
     slots = len(SLOTS.get(spec.optimizer.name, ()))
     element_bytes = np.dtype(spec.dtype).itemsize + slots * compute_dtype(spec.dtype).itemsize
     row_steps = 8 if spec.is_table and spec.optimizer.name == "adam" else 0
-    return rows * (spec.row_elements * element_bytes + row_steps)
+    bookkeeping = ROW_OVERHEAD_BYTES if spec.dynamic else 0
+    return rows * (spec.row_elements * element_bytes + row_steps + bookkeeping)
 
 
 def shard_rows(spec: VariableSpec, shard: Shard) -> int:

@@ -103,6 +103,22 @@ def test_zipf_ids_spread_evenly_over_the_servers(make_cluster):
         assert held == [500_000, 500_000]
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
+def test_requests_of_more_ids_than_one_message_holds(make_cluster, dynamic):
+    """The ids travel in a call's first message: a server's part of a larger request is
+    split into several calls, transparently."""
+    cluster = make_cluster(servers=1)
+    count = 9 * 65_536 + 7  # 4.6 MB of ids: more than a 4 MiB message
+    ids = np.arange(count, dtype=np.int64)[::-1].copy()
+    with PSClient(cluster.coordinator_address) as ps:
+        spec = ps.declare_embedding("t", dim=3, num_rows=None if dynamic else count,
+                                    init=UNIFORM, optimizer=SGD1)
+        np.testing.assert_array_equal(ps.pull_rows("t", ids), initial_rows(spec, ids))
+        ps.push_rows("t", ids, np.ones((count, 3), np.float32))
+        np.testing.assert_allclose(ps.pull_rows("t", ids), initial_rows(spec, ids) - 1.0,
+                                   rtol=1e-6)
+
+
 def test_sparse_adam_through_the_servers_touches_only_the_rows_pushed(cluster):
     adam = {"name": "adam", "lr": 0.1}
     with PSClient(cluster.coordinator_address) as ps:
@@ -218,6 +234,25 @@ def test_rows_held_evictions_and_bytes_per_table_show_in_the_status(make_cluster
         assert (tables["fixed"]["rows_held"], tables["fixed"]["evictions"]) == (10, 0)
         assert "dyn" in render(coordinator.status()) and "evictions" in render(
             coordinator.status())
+
+
+def test_memory_budgets_hold_dynamic_tables(make_cluster):
+    cluster = make_cluster(servers=2, memory_budget_bytes=1 << 20)
+    with PSClient(cluster.coordinator_address) as ps:
+        # Placement charges a capped table its capacity's rows with their bookkeeping:
+        # 20,000 rows of 4 floats do not fit 2 x 1 MiB.
+        expect_error(grpc.StatusCode.RESOURCE_EXHAUSTED, ps.declare_embedding, "large",
+                     dim=4, capacity=20_000)
+        # An uncapped one grows until its server's budget is full, then is refused room.
+        ps.declare_embedding("open", dim=4, init=UNIFORM, optimizer=SGD1)
+        ps.push_rows("open", np.arange(100, dtype=np.int64), np.ones((100, 4), np.float32))
+        before = ps.pull_rows("open", np.arange(100, dtype=np.int64))
+        error = expect_error(grpc.StatusCode.RESOURCE_EXHAUSTED, ps.push_rows, "open",
+                             np.arange(100, 20_100, dtype=np.int64),
+                             np.ones((20_000, 4), np.float32))
+        assert "memory budget" in error.details()
+        np.testing.assert_array_equal(ps.pull_rows("open", np.arange(100, dtype=np.int64)),
+                                      before)
 
 
 # ---- checkpoints -----------------------------------------------------------------------
