@@ -24,6 +24,7 @@ HELD_SLOT = "held"
 BOOKKEEPING_SLOTS = (IDS_SLOT, HELD_SLOT)
 FREE = -1  # find()'s answer for an id the table does not hold
 MIN_POOL_ROWS = 64
+EVICTION_BATCH = 64
 # Bytes a held row costs beyond its values and slots: its id, flag, last use (tick and time)
 # and its entry in the id -> row dict (a Python int key and value, and the dict's slot).
 ROW_OVERHEAD_BYTES = 8 + 1 + 8 + 8 + 100
@@ -104,7 +105,12 @@ class DynamicRows:
             if self.capacity:
                 over = len(self._index) + len(new_ids) - self.capacity
                 if over > 0:
-                    self._evict_lru(over, keep=rows[~missing])
+                    # A sweep reads the whole pool: when it runs, it frees a 64th of the
+                    # capacity (the least recently used rows still), so that a full table's
+                    # requests do not each pay for one.
+                    keep = rows[~missing]
+                    self._evict_lru(min(max(over, self.capacity // EVICTION_BATCH),
+                                        len(self._index) - len(keep)), keep=keep)
             fresh = self._allocate(len(new_ids))
             self.values[fresh] = self._make_rows(new_ids)
             for name, array in self._make_slots(len(new_ids)).items():
