@@ -65,6 +65,13 @@ class CupyBackend:
     def host_buffer(self, key: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         return self._host_buffers.get(key, shape, dtype)
 
+    def sum_rows(self, grads: cupy.ndarray, inverse: cupy.ndarray,
+                 n_unique: int) -> cupy.ndarray:
+        with self._device:
+            summed = cupy.zeros((n_unique, *grads.shape[1:]), dtype=grads.dtype)
+            cupyx.scatter_add(summed, inverse, grads)
+            return summed
+
     def to_device(self, host_array: np.ndarray) -> cupy.ndarray:
         host = np.ascontiguousarray(host_array)
         with self._device:

@@ -20,6 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ps_common.rows import sum_duplicates
+
 __all__ = [
     "ArrayBackend",
     "BackendUnavailable",
@@ -65,6 +67,11 @@ class ArrayBackend(Protocol):
     def to_host(self, arr: Any, out: np.ndarray | None = None) -> np.ndarray: ...
 
     def synchronize(self) -> None: ...
+
+    def sum_rows(self, grads: Any, inverse: Any, n_unique: int) -> Any:
+        """(n_unique, dim) on the device: row i sums the rows of `grads` whose `inverse` is
+        i (a batch's gradient per id occurrence, summed per distinct id)."""
+        ...
 
 
 class HostBufferCache:
@@ -118,6 +125,9 @@ class NumpyBackend:
 
     def synchronize(self) -> None:
         pass
+
+    def sum_rows(self, grads: np.ndarray, inverse: np.ndarray, n_unique: int) -> np.ndarray:
+        return sum_duplicates(np.asarray(grads), inverse, n_unique)
 
     def __repr__(self) -> str:
         return "NumpyBackend(device='cpu')"

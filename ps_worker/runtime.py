@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ps_common.job import JobSpec
+from ps_common.rows import dedup
 from ps_common.rpc import RetryPolicy
 from ps_common.shardmap import Component, VariableSpec
 from ps_common.status import RemoteError
@@ -117,10 +118,13 @@ def variable_specs(model, job: JobSpec) -> list[VariableSpec]:
 
 
 class _RowPull:
-    """The rows of one batch being pulled: the ids of each table and their futures."""
+    """The rows of one batch being pulled: per table, its distinct ids, where each of the
+    batch's ids is among them (`inverse`), and the future of their rows (on the host)."""
 
-    def __init__(self, ids: dict[str, np.ndarray], futures: dict[str, Future]):
+    def __init__(self, ids: dict[str, np.ndarray], inverse: dict[str, np.ndarray],
+                 futures: dict[str, Future]):
         self.ids = ids
+        self.inverse = inverse
         self.futures = futures
 
     def result(self) -> dict[str, np.ndarray]:
@@ -131,7 +135,7 @@ class _RowPull:
         futures_wait(list(self.futures.values()))
 
 
-_NO_ROWS = _RowPull({}, {})
+_NO_ROWS = _RowPull({}, {}, {})
 
 
 class Trainer:
@@ -164,12 +168,13 @@ class Trainer:
         return {s.name: self.backend.host_buffer(f"{s.name}#{slot}", s.shape, np.float32)
                 for s in self.dense_specs}
 
-    def _row_buffer(self, table: str, slot: int, rows: int) -> np.ndarray:
-        """A reusable host buffer for `rows` rows of `table`: the first rows of one that only
-        grows, so that a task's shorter last batch reuses it too."""
+    def _row_buffer(self, table: str, slot: int, rows: int, kind: str = "rows") -> np.ndarray:
+        """A reusable host buffer for `rows` rows of `table` (its rows, or with kind "grad"
+        their gradients): the first rows of one that only grows, so that a task's shorter
+        last batch (and a batch with fewer distinct ids) reuses it too."""
         capacity = max(rows, self._row_capacity.get(table, 0))
         self._row_capacity[table] = capacity
-        buffer = self.backend.host_buffer(f"{table}/rows#{slot}",
+        buffer = self.backend.host_buffer(f"{table}/{kind}#{slot}",
                                           (capacity, self.tables[table].dim), np.float32)
         return buffer[:rows]
 
@@ -180,15 +185,30 @@ class Trainer:
         if set(ids) != set(self.tables):
             raise ValueError(f"row_ids() gave ids of {sorted(ids)}, the model's tables are "
                              f"{sorted(self.tables)}")
-        ids = {name: np.ascontiguousarray(table_ids, dtype=np.int64).reshape(-1)
-               for name, table_ids in ids.items()}
-        return _RowPull(ids, {
-            name: ps.pull_rows_async(name, table_ids,
-                                     out=self._row_buffer(name, slot, len(table_ids)))
-            for name, table_ids in ids.items()})
+        # Each distinct id's row crosses the wire and the host-device link once: the batch's
+        # rows are gathered from them on the device, and its gradients summed there.
+        unique, inverse = {}, {}
+        for name, table_ids in ids.items():
+            unique[name], inverse[name] = dedup(
+                np.ascontiguousarray(table_ids, dtype=np.int64).reshape(-1))
+        # Buffers sized by the batch's ids, an upper bound of the distinct ones: reused.
+        return _RowPull(unique, inverse, {
+            name: ps.pull_rows_async(name, table_ids, out=self._row_buffer(
+                name, slot, len(inverse[name]))[:len(table_ids)])
+            for name, table_ids in unique.items()})
 
     def _on_device(self, host: dict[str, np.ndarray]) -> dict:
         return {n: self.backend.to_device(a) for n, a in host.items()}
+
+    def _rows_on_device(self, pulled: _RowPull) -> tuple[dict, dict]:
+        """The batch's rows of each table on the device, in the order of its ids (gathered
+        there from the distinct ids' rows), and the device copies of `inverse`."""
+        rows, inverse = {}, {}
+        for name, host_rows in pulled.result().items():
+            inverse[name] = self.backend.to_device(pulled.inverse[name])
+            rows[name] = self.backend.xp.take(self.backend.to_device(host_rows), inverse[name],
+                                              axis=0)
+        return rows, inverse
 
     def train(self, ps: PSClient, task: LeasedTask, should_stop) -> TaskResult:
         started = time.monotonic()
@@ -205,19 +225,23 @@ class Trainer:
                 upcoming_rows.wait()
                 break
             host = upcoming.result()
-            rows, row_ids = upcoming_rows.result(), upcoming_rows.ids
+            pulled = upcoming_rows
+            rows, inverse = self._rows_on_device(pulled)
             if step + 1 < len(batches):
                 upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
                 upcoming_rows = self._pull_rows_async(ps, batches[step + 1], (step + 1) % 2)
-            params = self._on_device({**host, **rows})
+            params = {**self._on_device(host), **rows}
             loss, grads, correct = self._step(params, (x, y))
             result.correct += correct
+            for name in self.tables:
+                grads[name] = self.backend.sum_rows(grads[name], inverse[name],
+                                                    len(pulled.ids[name]))
             self._reuse_slot(step)
             host_grads = self.grads_to_host(grads, step)
             self.backend.synchronize()
             dense_grads = {n: g for n, g in host_grads.items() if n not in self.tables}
             pushes = [ps.push_async(dense_grads)] if dense_grads else []
-            pushes += [ps.push_rows_async(name, row_ids[name], host_grads[name])
+            pushes += [ps.push_rows_async(name, pulled.ids[name], host_grads[name])
                        for name in self.tables]
             self._track_slot(step, pushes)
             result.loss_sum += float(loss) * len(y)
@@ -246,8 +270,9 @@ class Trainer:
         if self.backend.name == "numpy":
             return {n: np.asarray(g) for n, g in grads.items()}
         slot = step % (self.push_window + 1)
-        return {n: self.backend.to_host(
-                    g, out=self.backend.host_buffer(f"{n}/grad#{slot}", g.shape, g.dtype))
+        return {n: self.backend.to_host(g, out=(
+                    self._row_buffer(n, slot, g.shape[0], "grad") if n in self.tables
+                    else self.backend.host_buffer(f"{n}/grad#{slot}", g.shape, g.dtype)))
                 for n, g in grads.items()}
 
     def _step(self, params: dict, batch) -> tuple[float, dict, int]:
@@ -277,11 +302,11 @@ class Trainer:
         slot = 0
         while batch is not None:
             x, y = batch
-            rows = upcoming_rows.result()
+            rows, _ = self._rows_on_device(upcoming_rows)
             batch, slot = next(batches, None), 1 - slot
             if batch is not None:
                 upcoming_rows = self._pull_rows_async(ps, batch, slot)
-            batch_params = {**params, **self._on_device(rows)} if rows else params
+            batch_params = {**params, **rows} if rows else params
             if scoring:
                 loss_sum, correct, batch_scores = self._evaluate_and_score(batch_params, (x, y))
                 scores.append(self.backend.to_host(batch_scores))

@@ -86,3 +86,16 @@ def test_pinned_async_copies_round_trip_in_order(backend) -> None:
         backend.synchronize()  # before the host buffer is rewritten
     for round_index, result in enumerate(results):
         assert (result == round_index + 1).all()
+
+
+def test_sum_rows_on_the_device_equals_numpys(backend) -> None:
+    """A batch's row gradients are summed per distinct id on the GPU (the trainer then
+    moves only the distinct rows to the host)."""
+    rng = np.random.default_rng(0)
+    inverse = rng.integers(0, 50, 4096)
+    grads = rng.normal(size=(4096, 8)).astype(np.float32)
+    summed = backend.sum_rows(backend.to_device(grads), backend.to_device(inverse), 50)
+    assert array_module(summed) is cupy and summed.shape == (50, 8)
+    expected = np.zeros((50, 8), np.float64)
+    np.add.at(expected, inverse, grads)
+    np.testing.assert_allclose(cupy.asnumpy(summed), expected, rtol=1e-4, atol=1e-4)

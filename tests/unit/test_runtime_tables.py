@@ -129,8 +129,19 @@ def test_tables_are_declared_as_embedding_specs_with_their_optimizer_and_seed() 
     assert hashed.initializer == Component.of({"name": "normal", "stddev": 0.01})
 
 
-def test_each_step_pulls_and_pushes_the_rows_of_its_batch_in_order_duplicates_included() -> None:
+def test_each_step_pulls_and_pushes_each_distinct_id_of_its_batch_once() -> None:
+    """The batch's rows are gathered from its distinct ids' rows on the device, and its
+    gradients summed per id there: only distinct rows cross the wire (and the host-device
+    link), each with the sum of its occurrences' gradients."""
     trainer, ps = ctr_trainer()
+    recorded = []
+    push_rows_async = ps.push_rows_async
+
+    def recording(name, ids, grads, *, wire_dtype=None):
+        recorded.append(np.array(grads))
+        return push_rows_async(name, ids, grads)
+
+    ps.push_rows_async = recording
     result = trainer.train(ps, task(1), should_stop=lambda: False)
     indices = task_indices(trainer.dataset.num_train, epoch=0, task_index=1, tasks_per_epoch=4,
                            seed=0)
@@ -139,11 +150,12 @@ def test_each_step_pulls_and_pushes_the_rows_of_its_batch_in_order_duplicates_in
     pulled = [ids for _, name, ids in ps.of("pull_rows") if name == "embedding"]
     pushed = [ids for _, name, ids in ps.of("push_rows") if name == "embedding"]
     assert result.steps == len(batches) == len(pulled) == len(pushed)
-    for want, got_pulled, got_pushed in zip(expected, pulled, pushed):
-        np.testing.assert_array_equal(got_pulled, want)
-        np.testing.assert_array_equal(got_pushed, want)
-    # Zipf ids repeat within a batch; every occurrence is pulled and pushed as it is.
-    assert any(len(np.unique(ids)) < len(ids) for ids in pushed)
+    for want, got_pulled, got_pushed, grads in zip(expected, pulled, pushed, recorded):
+        np.testing.assert_array_equal(got_pulled, np.unique(want))
+        np.testing.assert_array_equal(got_pushed, np.unique(want))
+        assert grads.shape == (len(np.unique(want)), trainer.tables["embedding"].dim)
+    # Zipf ids repeat within a batch: fewer rows move than the batch has ids.
+    assert any(len(ids) < len(want) for ids, want in zip(pushed, expected))
     # Dense variables: pulled whole every step (never the table), pushed every step.
     assert len(ps.of("pull")) == len(batches)
     assert all("embedding" not in names for _, names, _ in ps.of("pull"))
@@ -206,8 +218,9 @@ def test_evaluation_pulls_the_rows_of_every_test_batch_and_reports_auc() -> None
     assert len(pulled) == len(batches) and not ps.of("push_rows") and not ps.of("push")
     scores, loss_sum, correct = [], 0.0, 0
     for batch, ids in zip(batches, pulled):
-        np.testing.assert_array_equal(ids, model.row_ids(batch)["embedding"])
-        params = {**ps.values, "embedding": ps.values["embedding"][ids]}
+        batch_ids = model.row_ids(batch)["embedding"]
+        np.testing.assert_array_equal(ids, np.unique(batch_ids))
+        params = {**ps.values, "embedding": ps.values["embedding"][batch_ids]}
         batch_loss, batch_correct, batch_scores = model.evaluate_and_scores(params, batch)
         scores.append(batch_scores)
         loss_sum, correct = loss_sum + batch_loss, correct + batch_correct
