@@ -80,6 +80,19 @@ def test_w2_big_dense_once():
     assert {"pull_s", "push_s", "verify_pull_s"} <= r["paramserve"].keys()
 
 
+def test_w3_sparse_embedding():
+    r = run_quick("w3_sparse_embedding.py")
+    assert {"steps_per_s", "unique_rows_per_s", "slice_steps_per_s", "worker_steps_per_s",
+            "unique_ids_per_step_median", "baseline", "ratio_to_baseline",
+            "cpu_ms_per_step_by_role", "server_peak_rss_bytes", "table_bytes",
+            "target_steps_per_s", "path"} <= r.keys()
+    assert r["values_ok"] is True and r["path"] == "shm" and r["steps"] > 0
+    assert set(r["worker_steps_per_s"]) == {"w0", "w1"}
+    assert set(r["cpu_ms_per_step_by_process"]) == {"coordinator", "s0", "s1", "w0", "w1"}
+    assert set(r["cpu_ms_per_step_by_role"]) == {"coordinator", "servers", "workers"}
+    assert r["baseline"]["steps"] > 0 and 0 < r["unique_ids_per_step_median"] <= r["batch"]
+
+
 def test_w4_latency():
     r = run_quick("w4_latency.py")
     assert {"paramserve", "bare_unary", "bare_unary_stream", "ratio_p50", "ratio_p99"} <= r.keys()
