@@ -425,10 +425,14 @@ class ShardStore:
             if ids is None:
                 rows.append(None)
                 continue
-            unique, inverse = dedup(ids)
-            with np.errstate(over="ignore"):  # an overflow is refused just below
-                summed = sum_duplicates(grad.astype(compute_dtype(held.spec.dtype), copy=False),
-                                        inverse, len(unique))
+            grad = grad.astype(compute_dtype(held.spec.dtype), copy=False)
+            if len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])):
+                # Distinct already (PSClient sends each id once, sorted): nothing to sum.
+                unique, summed = ids, grad
+            else:
+                unique, inverse = dedup(ids)
+                with np.errstate(over="ignore"):  # an overflow is refused just below
+                    summed = sum_duplicates(grad, inverse, len(unique))
             if not self.allow_non_finite and summed.size and not all_finite(summed):
                 raise InvalidArgument(
                     f"{held.describe()}: the gradients of a repeated id sum to a non-finite "

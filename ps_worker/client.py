@@ -627,7 +627,12 @@ class PSClient:
             rows = np.empty((len(unique), spec.shape[1]), spec.dtype)
             groups = self._rows_by_server(spec, shard_map, unique)
             try:
-                self._run_groups(groups, lambda server_id, parts: self._pull_rows_from(
+                # Reads from shared memory are memory copies: done here, in this thread;
+                # the calls over gRPC go out in parallel.
+                remote = {server_id: parts for server_id, parts in groups.items()
+                          if spec.dynamic or not self._pull_rows_shared(
+                              shard_map, server_id, parts, unique, rows, wire_dtype)}
+                self._run_groups(remote, lambda server_id, parts: self._pull_rows_from(
                     shard_map, server_id, parts, unique, rows, wire_dtype))
             except RemoteError as error:
                 if not self._map_moved(shard_map, error):
@@ -733,10 +738,6 @@ class PSClient:
         positions) part, from one server."""
         spec = shard_map.variables[parts[0][0].variable]
         wire = wire_dtype or spec.dtype
-        ids = [unique[positions] for _, positions in parts]
-        if not spec.dynamic and self._pull_rows_shared(shard_map, server_id, parts, ids, rows,
-                                                       wire_dtype):
-            return
         # The ids travel in the request message: at most MAX_ROW_IDS_PER_CALL per call.
         for batch in _id_batches(parts):
             received = [np.empty((len(p), spec.shape[1]), wire_raw_dtype(wire))
@@ -751,7 +752,7 @@ class PSClient:
                 rows[positions] = from_wire(raw, wire)
 
     def _pull_rows_shared(self, shard_map: ShardMap, server_id: str,
-                          parts: list[tuple[Shard, np.ndarray]], ids: list[np.ndarray],
+                          parts: list[tuple[Shard, np.ndarray]], unique: np.ndarray,
                           rows: np.ndarray, wire_dtype: str | None) -> bool:
         """A fixed table's rows read straight from the server's shared memory, if it shares
         it with us; False: over gRPC. Values pass through the wire dtype as on the wire."""
@@ -759,6 +760,7 @@ class PSClient:
         if session is None:
             return False
         shards = [shard for shard, _ in parts]
+        ids = [unique[positions] for _, positions in parts]
         found = [np.empty((len(i), rows.shape[1]), rows.dtype) for i in ids]
         try:
             done = session.read_rows(shard_map.epoch, shards,
@@ -1157,6 +1159,8 @@ class PSClient:
 
     def _run_groups(self, groups: dict, fn) -> None:
         """fn(server_id, group) for every group, in parallel; re-raise the first error."""
+        if not groups:
+            return
         if len(groups) == 1:
             (server_id, group), = groups.items()
             fn(server_id, group)
