@@ -63,7 +63,7 @@ TORCH_RPC_STEPS_PER_S = 483.0  # torch.distributed.rpc
 TARGET_STEPS_PER_S = 725.0  # 1.5x the better of the two (1.5 x 483 = 724.5)
 READY = "w3 worker ready"
 READY_TIMEOUT_S = 120.0
-WARM_STEPS = 3  # each worker's steps before it says it is ready (connections, sessions)
+WARM_STEPS = 3  # each worker's steps before it says it is ready (connections, shared-memory handshakes)
 OUT_DIR = harness.REPO_ROOT / "benchmarks" / "out" / "profile"
 # Seeds: stream 0 is the baseline's, stream w + 1 worker w's; a stream's warm-up steps
 # count from WARM_OFFSET so they never reuse a measured step's ids.
@@ -83,7 +83,7 @@ CATEGORIES = [
     ("finiteness check", ("all_finite", "check_gradients", "isfinite")),
     ("fake gradient (worker)", ("fake_gradient",)),
     ("client pull_rows/push_rows own lines", ("pull_rows (", "push_rows (", "_pull_rows_from")),
-    ("shared memory (slots, sessions)", ("shared_memory.py",)),
+    ("shared memory (slots, handshakes)", ("shared_memory.py",)),
     *harness.PY_SPY_CATEGORIES,
 ]
 

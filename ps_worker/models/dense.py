@@ -104,17 +104,7 @@ class MLP:
 
     def _forward(self, params: Mapping[str, Any], x: Any) -> tuple[list[Any], Any]:
         """(the input of every layer, the logits)."""
-        xp = array_module(x)
-        layer_inputs = [x]
-        activations = x
-        last = len(self._layer_shapes) - 1
-        for layer in range(last + 1):
-            activations = activations @ params[f"dense{layer}/kernel"]
-            activations += params[f"dense{layer}/bias"]
-            if layer < last:
-                xp.maximum(activations, 0, out=activations)
-                layer_inputs.append(activations)
-        return layer_inputs, activations
+        return relu_layers_forward(params, x, len(self._layer_shapes))
 
     def __repr__(self) -> str:
         return (
@@ -131,3 +121,18 @@ class LogisticRegression(MLP):
 
     def __repr__(self) -> str:
         return f"LogisticRegression(num_features={self.num_features}, num_classes={self.num_classes})"
+
+
+def relu_layers_forward(params: Mapping[str, Any], x: Any, layers: int) -> tuple[list[Any], Any]:
+    """Layers `dense0` .. `dense{layers-1}` (kernel, bias; ReLU between them) applied to
+    `x`: (the input of every layer, the last layer's output)."""
+    xp = array_module(x)
+    layer_inputs = [x]
+    activations = x
+    for layer in range(layers):
+        activations = activations @ params[f"dense{layer}/kernel"]
+        activations += params[f"dense{layer}/bias"]
+        if layer < layers - 1:
+            xp.maximum(activations, 0, out=activations)
+            layer_inputs.append(activations)
+    return layer_inputs, activations

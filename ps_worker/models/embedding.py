@@ -27,6 +27,7 @@ import numpy as np
 
 from ps_worker.backend import array_module
 from ps_worker.models.base import EmbeddingDef, VariableDef
+from ps_worker.models.dense import relu_layers_forward
 
 __all__ = ["TABLE", "EmbeddingMLP"]
 
@@ -235,17 +236,8 @@ class EmbeddingMLP:
 
     def _forward(self, params: Mapping[str, Any], inputs: Any) -> tuple[list[Any], Any]:
         """(the input of every layer, the logits as a vector)."""
-        xp = array_module(inputs)
-        layer_inputs = [inputs]
-        activations = inputs
-        last = len(self._layer_shapes) - 1
-        for layer in range(last + 1):
-            activations = activations @ params[f"dense{layer}/kernel"]
-            activations += params[f"dense{layer}/bias"]
-            if layer < last:
-                xp.maximum(activations, 0, out=activations)
-                layer_inputs.append(activations)
-        return layer_inputs, activations[:, 0]
+        layer_inputs, logits = relu_layers_forward(params, inputs, len(self._layer_shapes))
+        return layer_inputs, logits[:, 0]
 
     def __repr__(self) -> str:
         return (
