@@ -80,7 +80,10 @@ CATEGORIES = [
     ("server: gather rows (_read_rows)", ("_read_rows",)),
     ("id checks, routing (rows_by_server)",
      ("check_ids", "local_rows", "rows_by_server", "owners_of", "_table (", "_row_ids")),
-    ("finiteness check", ("all_finite", "check_gradients", "isfinite")),
+    # the same name as the shared category, so that their samples add up
+    ("finiteness check (grad.sum(float64))", ("all_finite", "check_gradients", "isfinite")),
+    ("thread handoff (ThreadPoolExecutor.submit, futures.wait)",
+     ("ThreadPoolExecutor.submit", "_run_groups", "concurrent/futures/")),
     ("fake gradient (worker)", ("fake_gradient",)),
     ("client pull_rows/push_rows own lines", ("pull_rows (", "push_rows (", "_pull_rows_from")),
     ("shared memory (slots, handshakes)", ("shared_memory.py",)),
