@@ -623,7 +623,10 @@ class PSClient:
             spec = self._table(shard_map, name, ids)
             self._check_wire_dtype(spec, wire_dtype)
             result = self._rows_output(spec, len(ids), out)
-            unique, inverse = dedup(ids)
+            if _distinct_sorted(ids):  # e.g. the trainer's, deduplicated already
+                unique, inverse = ids, None
+            else:
+                unique, inverse = dedup(ids)
             rows = np.empty((len(unique), spec.shape[1]), spec.dtype)
             groups = self._rows_by_server(spec, shard_map, unique)
             try:
@@ -638,6 +641,9 @@ class PSClient:
                 if not self._map_moved(shard_map, error):
                     raise
                 continue
+            if inverse is None:
+                result[...] = rows
+                return result
             return np.take(rows, inverse, axis=0, out=result)
         raise _local_error(grpc.StatusCode.ABORTED,
                            f"shard map kept changing during {MAX_MAP_REFRESHES} pull attempts")
@@ -659,10 +665,13 @@ class PSClient:
         spec = self._table(shard_map, name, ids)
         grads = np.asarray(grads)
         self._check_gradient(spec, grads, (len(ids), spec.shape[1]), wire_dtype)
-        unique, inverse = dedup(ids)
+        if _distinct_sorted(ids):  # e.g. the trainer's, summed per id already
+            unique, summed = ids, grads
+        else:
+            unique, inverse = dedup(ids)
+            summed = sum_duplicates(grads, inverse, len(unique))
         # Summed before narrowing to the wire dtype; a NaN or Inf anywhere shows in the sums.
-        summed, wire = self._encode(spec, sum_duplicates(grads, inverse, len(unique)),
-                                    (len(unique), spec.shape[1]), wire_dtype)
+        summed, wire = self._encode(spec, summed, (len(unique), spec.shape[1]), wire_dtype)
         groups = self._rows_by_server(spec, shard_map, unique)
         # The ids travel in the push's header: a server's part of more than
         # MAX_ROW_IDS_PER_CALL rows goes in several pushes, each exactly-once and
@@ -1161,14 +1170,19 @@ class PSClient:
         """fn(server_id, group) for every group, in parallel; re-raise the first error."""
         if not groups:
             return
-        if len(groups) == 1:
-            (server_id, group), = groups.items()
-            fn(server_id, group)
-            return
-        pending = [self._rpc_pool.submit(fn, sid, group) for sid, group in groups.items()]
-        futures.wait(pending)
+        (first_id, first_group), *others = groups.items()
+        # The first group runs in this thread: one handoff fewer per call.
+        pending = [self._rpc_pool.submit(fn, sid, group) for sid, group in others]
+        try:
+            fn(first_id, first_group)
+        finally:
+            futures.wait(pending)  # none may still be running when this returns or raises
         for future in pending:
             future.result()
+
+
+def _distinct_sorted(ids: np.ndarray) -> bool:
+    return len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))
 
 
 def _id_batches(parts: list[tuple[Shard, np.ndarray]]) -> list[list[tuple[Shard, np.ndarray]]]:
