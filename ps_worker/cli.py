@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long SIGTERM may take to end the worker cleanly before it exits "
                    "at once (default 5); it holds nothing that must survive")
+    p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="sleep this long in every training step: a slow worker (a straggler) "
+                   "for demos and tests (default 0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -46,10 +49,12 @@ def worker_main(argv: list[str] | None = None) -> int:
         parser.error(f"--device {args.device!r}: expected auto, cpu or cuda:N")
     if not args.grace >= 0:
         parser.error(f"--grace {args.grace}: must be >= 0")
+    if not 0 <= args.step_delay < float("inf"):
+        parser.error(f"--step-delay {args.step_delay}: must be a number of seconds >= 0")
     worker = Worker(WorkerConfig(coordinator=args.coordinator, device=args.device,
                                  worker_id=args.worker_id,
                                  coordinator_timeout_s=args.coordinator_timeout,
-                                 shared_memory=not args.no_shm))
+                                 shared_memory=not args.no_shm, step_delay_s=args.step_delay))
     # The worker runs on its own thread and the main thread only handles signals: a Python
     # signal handler runs on the main thread between two bytecodes, and one that set an event
     # the main thread was inside the wait of (or started a thread while it held threading's

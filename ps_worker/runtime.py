@@ -71,6 +71,8 @@ class WorkerConfig:
     # Pull and push through shared memory with servers on this host that offer it (and the
     # job allows it); False: gRPC only (--no-shm).
     shared_memory: bool = True
+    # Seconds slept in every training step (--step-delay): a slow worker, for demos and tests.
+    step_delay_s: float = 0.0
 
 
 @dataclass
@@ -149,9 +151,10 @@ class Trainer:
     """
 
     def __init__(self, job: JobSpec, dataset: Dataset, model, backend: ArrayBackend,
-                 push_window: int = 2):
+                 push_window: int = 2, step_delay_s: float = 0.0):
         self.job = job
         self.push_window = push_window
+        self.step_delay_s = step_delay_s
         self.dataset = dataset
         self.model = model
         self.backend = backend
@@ -247,6 +250,8 @@ class Trainer:
             result.loss_sum += float(loss) * len(y)
             result.examples += len(y)
             result.steps += 1
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)  # a deliberately slow worker (--step-delay)
         ps.flush()  # the task counts as done only once its updates have landed
         result.seconds = time.monotonic() - started
         return result
@@ -395,7 +400,8 @@ class Worker:
                                                             str(error))
                 raise JobCannotRun(str(error), job_failed=failed) from None
             trainer = Trainer(job, dataset, model, backend,
-                              push_window=self.config.max_in_flight_pushes)
+                              push_window=self.config.max_in_flight_pushes,
+                              step_delay_s=self.config.step_delay_s)
             log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
                      self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)
             heartbeat = threading.Thread(

@@ -194,9 +194,11 @@ def test_killed_server_restarts_on_its_port_and_clients_recover(spawn):
     ([*COORDINATOR, "--split-threshold", "0"], "--split-threshold"),
     ([*COORDINATOR, "--checkpoint-every", "soon"], "--checkpoint-every"),
     ([*COORDINATOR, "--keep-checkpoints", "0"], "--keep-checkpoints"),
+    ([sys.executable, "-m", "ps_worker.cli", "--coordinator", "127.0.0.1:1",
+      "--step-delay", "-1"], "--step-delay"),
 ], ids=["server-port", "server-coordinator", "server-chunk-bytes", "server-memory-budget",
         "coordinator-port", "coordinator-heartbeat", "coordinator-split-threshold",
-        "coordinator-checkpoint-every", "coordinator-keep-checkpoints"])
+        "coordinator-checkpoint-every", "coordinator-keep-checkpoints", "worker-step-delay"])
 def test_bad_flag_exits_nonzero_naming_the_flag(argv, flag):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S,
                           stdin=subprocess.DEVNULL)

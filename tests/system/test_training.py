@@ -41,6 +41,10 @@ OBSERVER = "test-observer"
 # batches of 8 (longer tasks) in about 1 in 5; with these, 0.966 to 0.975 in 18 runs.
 SLOW_JOB = ["--tasks-per-epoch", "2", "--epochs", "10", "--lr", "0.002"]
 SLOW_JOB_TASKS = 10 * (2 + 1)
+# Workers of these jobs sleep this long in each step (ps-worker --step-delay), so that a task
+# lasts about 0.25 s: without it the whole job ends in about a second, before a test can see
+# a worker holding a task.
+STEP_DELAY = ("--step-delay", "0.01")
 
 
 # ---- processes ---------------------------------------------------------------------------
@@ -135,8 +139,9 @@ def job_over(status: dict) -> bool:
 
 class Cluster:
     def __init__(self, launch, job_args: list[str], *, servers: int = 2,
-                 coordinator_args: tuple[str, ...] = ()):
+                 coordinator_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ()):
         self.launch = launch
+        self.worker_args = worker_args  # given to every worker start_worker starts
         self.coordinator = launch(
             "coordinator", "ps_server.coordinator.cli", "--port", "0", "--recovery-grace", "0",
             "--heartbeat-interval", str(HEARTBEAT_S),
@@ -155,7 +160,8 @@ class Cluster:
 
     def start_worker(self, worker_id: str, *args: str) -> Proc:
         proc = self.launch(worker_id, "ps_worker.cli", "--coordinator", self.address,
-                           "--worker-id", worker_id, "--device", "cpu", *args)
+                           "--worker-id", worker_id, "--device", "cpu", *self.worker_args,
+                           *args)
         self.workers[worker_id] = proc
         return proc
 
@@ -268,7 +274,7 @@ def test_ps_cluster_reports_the_outcome_even_if_it_missed_the_end(launch, tmp_pa
 # ---- b. a worker killed mid-task ---------------------------------------------------------
 
 def test_worker_killed_mid_task_its_task_is_rerun_and_the_job_completes(cluster):
-    c = cluster(SLOW_JOB)
+    c = cluster(SLOW_JOB, worker_args=STEP_DELAY)
     w0, w1 = c.start_worker("w0"), c.start_worker("w1")
     # w0 mid-job and mid-task: it has finished a task and holds another.
     status = wait_for(c.observer, lambda s: workers_of(s).get("w0", {}).get("tasks_done", 0) >= 1
@@ -363,7 +369,7 @@ def test_wrong_addresses_and_bad_jobs_are_refused_naming_what_is_wrong(
 
 
 def test_worker_gives_up_on_a_dead_coordinator_naming_its_address(cluster):
-    c = cluster(SLOW_JOB)
+    c = cluster(SLOW_JOB, worker_args=STEP_DELAY)
     worker = c.start_worker("w0", "--coordinator-timeout", "2")
     wait_for(c.observer, lambda s: bool(workers_of(s).get("w0", {}).get("leased_tasks")),
              "w0 to hold a task", watch=(*c.daemons, worker))
@@ -373,7 +379,7 @@ def test_worker_gives_up_on_a_dead_coordinator_naming_its_address(cluster):
 
 
 def test_worker_gives_up_on_a_hung_coordinator_within_its_timeout(cluster):
-    c = cluster(SLOW_JOB)
+    c = cluster(SLOW_JOB, worker_args=STEP_DELAY)
     timeout_s = 2.0
     worker = c.start_worker("w0", "--coordinator-timeout", str(timeout_s))
     wait_for(c.observer, lambda s: bool(workers_of(s).get("w0", {}).get("leased_tasks")),
@@ -419,7 +425,7 @@ def test_workers_fenced_mid_task_register_again_and_finish_the_job(cluster):
     when it declares a worker dead, and what a duplicate process of the same worker id
     does): the worker is refused when it reports the task, must register again under a new
     incarnation, and the job must complete."""
-    c = cluster(SLOW_JOB)
+    c = cluster(SLOW_JOB, worker_args=STEP_DELAY)
     workers = {w: c.start_worker(w) for w in ("w0", "w1")}
     status = wait_for(c.observer, lambda s: len(workers_of(s)) == 2 and all(
         w["leased_tasks"] for w in workers_of(s).values()), "both workers to hold a task",
@@ -549,7 +555,7 @@ def test_coordinator_sigkilled_mid_job_loses_no_trained_value_and_the_job_finish
 
 
 def test_a_server_that_never_comes_back_fails_the_job_naming_it(cluster):
-    c = cluster(SLOW_JOB, coordinator_args=("--server-timeout", "3"))
+    c = cluster(SLOW_JOB, worker_args=STEP_DELAY, coordinator_args=("--server-timeout", "3"))
     worker = c.start_worker("w0")
     wait_for(c.observer, lambda s: s["job"]["steps"] > 0, "training to start",
              watch=(*c.daemons, worker))
@@ -575,7 +581,7 @@ def test_a_server_back_without_its_values_fails_the_job_naming_it_and_what_was_l
     """No checkpoint directory and no --reinitialize-lost-shards: a server SIGKILLed mid-job
     and started again on its port (empty) must stop the job, never let it train on from the
     initializers."""
-    c = cluster(SLOW_JOB)
+    c = cluster(SLOW_JOB, worker_args=STEP_DELAY)
     worker = c.start_worker("w0")
     wait_for(c.observer, lambda s: s["job"]["steps"] > 0, "training to start",
              watch=(*c.daemons, worker))
@@ -607,7 +613,7 @@ def test_coordinator_sigkilled_with_a_checkpoint_dir_resumes_the_job_where_it_wa
     checkpoint of its final values."""
     checkpoints = tmp_path / "checkpoints"
     ckpt_args = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1s")
-    c = cluster(SLOW_JOB, coordinator_args=ckpt_args)
+    c = cluster(SLOW_JOB, worker_args=STEP_DELAY, coordinator_args=ckpt_args)
     workers = [c.start_worker(f"w{i}") for i in range(2)]
     progress = wait_for(c.observer, lambda s: s["job"]["tasks_done"] >= 6
                         and s["last_checkpoint"] is not None, "progress and a checkpoint",
