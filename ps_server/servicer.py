@@ -145,12 +145,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             session = self._shared.open_session(request.client_id)
             return pb.OpenSharedMemoryReply(
                 offered=True, probe=session.probe_name, control=self._shared.control.name,
-                session=session.id)
+                connection=session.id)
 
     def AttachShards(self, request: pb.AttachShardsRequest, context):
         with translate_errors(context, "AttachShards"):
             if self._shared_session(request) is None:
-                return pb.AttachShardsReply(session_lost=True)
+                return pb.AttachShardsReply(connection_lost=True)
             self._store.check_epoch(request.epoch)
             shards = []
             for held in self._store.lookup([(r.variable, r.index) for r in request.shards]):
@@ -165,7 +165,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         with translate_errors(context, "PushShared"):
             session = self._shared_session(request)
             if session is None:
-                return pb.PushSharedReply(session_lost=True)
+                return pb.PushSharedReply(connection_lost=True)
             if request.slot == 0:
                 try:
                     made = self._shared.new_slot(session, request.slot_bytes,
@@ -176,11 +176,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                 error.strerror or error)
                     return pb.PushSharedReply()
                 if made is None:  # the session ended meanwhile
-                    return pb.PushSharedReply(session_lost=True)
+                    return pb.PushSharedReply(connection_lost=True)
                 return pb.PushSharedReply(slot=made[0], segment=made[1].name)
             segment = self._shared.slot(session, request.slot)
             if segment is None:
-                return pb.PushSharedReply(session_lost=True)
+                return pb.PushSharedReply(connection_lost=True)
             duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data,
                                                     self._shared.releaser(segment))
             return pb.PushSharedReply(reply=pb.PushReply(duplicate=duplicate))
@@ -195,7 +195,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _shared_session(self, request):
         if self._shared is None:
             return None
-        return self._shared.session(request.session, request.secret)
+        return self._shared.session(request.connection, request.secret)
 
     def AssignShards(self, request: pb.AssignShardsRequest, context):
         with translate_errors(context, "AssignShards"):

@@ -1049,7 +1049,7 @@ class PSClient:
             raise
         if not unanswered[0]:
             session.release(slot)
-        if reply.session_lost:
+        if reply.connection_lost:
             self._forget_shared(address, session)
             return None
         return reply.reply

@@ -102,7 +102,7 @@ class SharedSession:
                      server_id, error)
             return None
         log.info("server %s: pulls and pushes go through shared memory", server_id)
-        return cls(stub, reply.session, secret, control, server_id)
+        return cls(stub, reply.connection, secret, control, server_id)
 
     @property
     def alive(self) -> bool:
@@ -159,13 +159,13 @@ class SharedSession:
 
     def _attach(self, epoch: int, shards: list[Shard], timeout_s: float) -> None:
         request = pb.AttachShardsRequest(
-            session=self._session, secret=self._secret, epoch=epoch,
+            connection=self._session, secret=self._secret, epoch=epoch,
             shards=[pb.ShardRef(variable=s.variable, index=s.index) for s in shards])
         try:
             reply = self._stub.AttachShards(request, timeout=timeout_s)
         except (grpc.RpcError, ValueError):  # ValueError: interrupt() closed the channel
             return  # the pull goes over gRPC, which reports what is wrong
-        if reply.session_lost:
+        if reply.connection_lost:
             raise SessionLost()
         by_key = {s.key: s for s in shards}
         attached = {}
@@ -195,7 +195,7 @@ class SharedSession:
                     return self._free.pop(i)
             if self._no_more_slots:
                 return None
-        request = pb.PushSharedRequest(session=self._session, secret=self._secret,
+        request = pb.PushSharedRequest(connection=self._session, secret=self._secret,
                                        slot_bytes=max(nbytes, 1))
         try:
             reply = self._stub.PushShared(request, timeout=timeout_s)
@@ -206,7 +206,7 @@ class SharedSession:
                 with self._lock:
                     self._no_more_slots = True
             return None
-        if reply.session_lost:
+        if reply.connection_lost:
             raise SessionLost()
         if not reply.slot:
             return None
@@ -220,7 +220,7 @@ class SharedSession:
             self._free.append(slot)
 
     def push_request(self, slot: PushSlot, header: pb.PushHeader) -> pb.PushSharedRequest:
-        return pb.PushSharedRequest(session=self._session, secret=self._secret,
+        return pb.PushSharedRequest(connection=self._session, secret=self._secret,
                                     slot=slot.slot, header=header)
 
     def close(self) -> None:
@@ -228,7 +228,7 @@ class SharedSession:
         or the coordinator declares this client gone)."""
         try:
             self._stub.CloseSharedMemory(pb.CloseSharedMemoryRequest(
-                session=self._session, secret=self._secret), timeout=2.0)
+                connection=self._session, secret=self._secret), timeout=2.0)
         except (grpc.RpcError, ValueError):  # ValueError: the channel is closed already
             pass
 

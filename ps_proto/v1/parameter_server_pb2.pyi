@@ -483,30 +483,30 @@ class OpenSharedMemoryReply(_message.Message):
     OFFERED_FIELD_NUMBER: _builtins.int
     PROBE_FIELD_NUMBER: _builtins.int
     CONTROL_FIELD_NUMBER: _builtins.int
-    SESSION_FIELD_NUMBER: _builtins.int
+    CONNECTION_FIELD_NUMBER: _builtins.int
     offered: _builtins.bool
     """False when this server offers no shared memory (--no-shm, no /dev/shm, not x86-64):
     the client uses gRPC.
     """
     probe: _builtins.str
-    """A segment holding this session's secret: only a client on this host, running as this
+    """A segment holding this connection's secret: only a client on this host, running as this
     server's user, can open it. It presents the secret on every later call, which proves
     that it shares the server's host and memory (never a guess from addresses).
     """
     control: _builtins.str
     """The server's control segment: its shard-map epoch and whether it is still serving."""
-    session: _builtins.int
+    connection: _builtins.int
     def __init__(
         self,
         *,
         offered: _builtins.bool = ...,
         probe: _builtins.str = ...,
         control: _builtins.str = ...,
-        session: _builtins.int = ...,
+        connection: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control", b"control", "offered", b"offered", "probe", b"probe", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection", b"connection", "control", b"control", "offered", b"offered", "probe", b"probe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -516,11 +516,11 @@ Global___OpenSharedMemoryReply: _TypeAlias = OpenSharedMemoryReply  # noqa: Y015
 class AttachShardsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    SESSION_FIELD_NUMBER: _builtins.int
+    CONNECTION_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
-    session: _builtins.int
+    connection: _builtins.int
     secret: _builtins.bytes
     epoch: _builtins.int
     @_builtins.property
@@ -528,14 +528,14 @@ class AttachShardsRequest(_message.Message):
     def __init__(
         self,
         *,
-        session: _builtins.int = ...,
+        connection: _builtins.int = ...,
         secret: _builtins.bytes = ...,
         epoch: _builtins.int = ...,
         shards: _abc.Iterable[Global___ShardRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "secret", b"secret", "session", b"session", "shards", b"shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection", b"connection", "epoch", b"epoch", "secret", b"secret", "shards", b"shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -573,21 +573,21 @@ Global___SharedShard: _TypeAlias = SharedShard  # noqa: Y015
 class AttachShardsReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    SESSION_LOST_FIELD_NUMBER: _builtins.int
+    CONNECTION_LOST_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
-    session_lost: _builtins.bool
-    """The session is unknown (the server restarted, or ended it): open a new one."""
+    connection_lost: _builtins.bool
+    """The connection is unknown (the server restarted, or ended it): open a new one."""
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___SharedShard]: ...
     def __init__(
         self,
         *,
-        session_lost: _builtins.bool = ...,
+        connection_lost: _builtins.bool = ...,
         shards: _abc.Iterable[Global___SharedShard] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_lost", b"session_lost", "shards", b"shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection_lost", b"connection_lost", "shards", b"shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -597,12 +597,12 @@ Global___AttachShardsReply: _TypeAlias = AttachShardsReply  # noqa: Y015
 class PushSharedRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    SESSION_FIELD_NUMBER: _builtins.int
+    CONNECTION_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
     SLOT_FIELD_NUMBER: _builtins.int
     SLOT_BYTES_FIELD_NUMBER: _builtins.int
     HEADER_FIELD_NUMBER: _builtins.int
-    session: _builtins.int
+    connection: _builtins.int
     secret: _builtins.bytes
     slot: _builtins.int
     """The push slot to read from (from an earlier reply), or 0 with `slot_bytes` to ask for
@@ -616,7 +616,7 @@ class PushSharedRequest(_message.Message):
     def __init__(
         self,
         *,
-        session: _builtins.int = ...,
+        connection: _builtins.int = ...,
         secret: _builtins.bytes = ...,
         slot: _builtins.int = ...,
         slot_bytes: _builtins.int = ...,
@@ -624,7 +624,7 @@ class PushSharedRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "secret", b"secret", "session", b"session", "slot", b"slot", "slot_bytes", b"slot_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection", b"connection", "header", b"header", "secret", b"secret", "slot", b"slot", "slot_bytes", b"slot_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -634,11 +634,11 @@ Global___PushSharedRequest: _TypeAlias = PushSharedRequest  # noqa: Y015
 class PushSharedReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    SESSION_LOST_FIELD_NUMBER: _builtins.int
+    CONNECTION_LOST_FIELD_NUMBER: _builtins.int
     REPLY_FIELD_NUMBER: _builtins.int
     SLOT_FIELD_NUMBER: _builtins.int
     SEGMENT_FIELD_NUMBER: _builtins.int
-    session_lost: _builtins.bool
+    connection_lost: _builtins.bool
     slot: _builtins.int
     """A new slot (when asked for): its id and segment."""
     segment: _builtins.str
@@ -647,14 +647,14 @@ class PushSharedReply(_message.Message):
     def __init__(
         self,
         *,
-        session_lost: _builtins.bool = ...,
+        connection_lost: _builtins.bool = ...,
         reply: Global___PushReply | None = ...,
         slot: _builtins.int = ...,
         segment: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply", "segment", b"segment", "session_lost", b"session_lost", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection_lost", b"connection_lost", "reply", b"reply", "segment", b"segment", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -664,19 +664,19 @@ Global___PushSharedReply: _TypeAlias = PushSharedReply  # noqa: Y015
 class CloseSharedMemoryRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    SESSION_FIELD_NUMBER: _builtins.int
+    CONNECTION_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
-    session: _builtins.int
+    connection: _builtins.int
     secret: _builtins.bytes
     def __init__(
         self,
         *,
-        session: _builtins.int = ...,
+        connection: _builtins.int = ...,
         secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["secret", b"secret", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection", b"connection", "secret", b"secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -103,18 +103,18 @@ class RawSession:
         reply = stub.OpenSharedMemory(ps_pb.OpenSharedMemoryRequest(client_id=client_id),
                                       timeout=10)
         assert reply.offered
-        self.probe_name, self.control_name, self.session = reply.probe, reply.control, reply.session
+        self.probe_name, self.control_name, self.session = reply.probe, reply.control, reply.connection
         self.secret = bytes(shm.attach(reply.probe, writable=False).data[:shm.SECRET_BYTES])
 
     def new_slot(self, nbytes: int, *, secret: bytes | None = None) -> ps_pb.PushSharedReply:
         return self.stub.PushShared(ps_pb.PushSharedRequest(
-            session=self.session, secret=self.secret if secret is None else secret,
+            connection=self.session, secret=self.secret if secret is None else secret,
             slot_bytes=nbytes), timeout=10)
 
     def push(self, slot: int, header: ps_pb.PushHeader, *,
              secret: bytes | None = None) -> ps_pb.PushSharedReply:
         return self.stub.PushShared(ps_pb.PushSharedRequest(
-            session=self.session, secret=self.secret if secret is None else secret, slot=slot,
+            connection=self.session, secret=self.secret if secret is None else secret, slot=slot,
             header=header), timeout=10)
 
 
@@ -383,7 +383,7 @@ def test_raw_push_shared_with_a_nan_gradient_is_invalid_argument(make_cluster, s
         epoch = ps.shard_map.epoch
     raw = RawSession(stub_of(cluster))
     reply = raw.new_slot(8 * 4 * 4)
-    assert reply.slot and not reply.session_lost
+    assert reply.slot and not reply.connection_lost
     segment = shm.attach(reply.segment, writable=True)
     grad = np.ones((8, 4), np.float32)
     grad[3, 2] = np.nan
@@ -409,15 +409,15 @@ def test_raw_push_shared_with_a_wrong_secret_is_session_lost_and_applies_nothing
         epoch = ps.shard_map.epoch
     raw = RawSession(stub_of(cluster))
     wrong = bytes(b ^ 0xFF for b in raw.secret)
-    assert raw.new_slot(128, secret=wrong).session_lost
+    assert raw.new_slot(128, secret=wrong).connection_lost
     reply = raw.new_slot(8 * 4 * 4)
     segment = shm.attach(reply.segment, writable=True)
     np.copyto(segment.array(np.float32, (8, 4)), np.ones((8, 4), np.float32))
     header = push_header(epoch, "w", (8, 4), client_id=uuid.uuid4().hex)
 
     lost = raw.push(reply.slot, header, secret=wrong)
-    assert lost.session_lost and not lost.HasField("reply")
-    assert raw.push(reply.slot, header, secret=b"").session_lost
+    assert lost.connection_lost and not lost.HasField("reply")
+    assert raw.push(reply.slot, header, secret=b"").connection_lost
     np.testing.assert_array_equal(grpc_pull(cluster, "w"), before)
     # The right secret: the very same push is applied, once.
     assert raw.push(reply.slot, header).reply.duplicate is False
@@ -749,11 +749,11 @@ def test_a_push_to_a_session_ending_meanwhile_is_session_lost_not_invalid_argume
 
     monkeypatch.setattr(memory, "session", found_then_ended)
     reply = raw.push(made.slot, push_header(epoch, "w", (4,), client_id="raw-client"))
-    assert reply.session_lost
+    assert reply.connection_lost
     monkeypatch.undo()
     raw = RawSession(stub_of(cluster))
     monkeypatch.setattr(memory, "session", found_then_ended)
-    assert raw.new_slot(16).session_lost
+    assert raw.new_slot(16).connection_lost
     np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.zeros(4, np.float32))
 
 
