@@ -3,7 +3,7 @@
 Every process a benchmark starts is a child started by `spawn`, which waits (bounded) for
 the line a daemon prints once it listens (or by `start`, for a ps-worker, which prints none),
 and is ended by the `with` block that owns it:
-SIGTERM, a bounded wait, then SIGKILL. Children run in their own session (a Ctrl-C reaches
+SIGTERM, a bounded wait, then SIGKILL. Children run in their own process group (a Ctrl-C reaches
 the benchmark only, which then stops them in order) and get SIGTERM if the benchmark
 process dies without cleaning up (Linux parent-death signal).
 

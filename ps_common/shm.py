@@ -39,7 +39,7 @@ MAGIC = 0x70617261_6D736572  # "paramser"
 HEADER_BYTES = 64
 VERSION, FLAGS, EPOCH, PID = 1, 2, 3, 4
 RETIRED = 1
-# Bytes of a session's secret in its probe segment.
+# Bytes of a connection's secret in its probe segment.
 SECRET_BYTES = 32
 
 

@@ -142,14 +142,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         with translate_errors(context, "OpenSharedMemory"):
             if self._shared is None:
                 return pb.OpenSharedMemoryReply(offered=False)
-            session = self._shared.open_session(request.client_id)
+            connection = self._shared.open_connection(request.client_id)
             return pb.OpenSharedMemoryReply(
-                offered=True, probe=session.probe_name, control=self._shared.control.name,
-                connection=session.id)
+                offered=True, probe=connection.probe_name, control=self._shared.control.name,
+                connection=connection.id)
 
     def AttachShards(self, request: pb.AttachShardsRequest, context):
         with translate_errors(context, "AttachShards"):
-            if self._shared_session(request) is None:
+            if self._shared_connection(request) is None:
                 return pb.AttachShardsReply(connection_lost=True)
             self._store.check_epoch(request.epoch)
             shards = []
@@ -163,22 +163,22 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def PushShared(self, request: pb.PushSharedRequest, context):
         with translate_errors(context, "PushShared"):
-            session = self._shared_session(request)
-            if session is None:
+            connection = self._shared_connection(request)
+            if connection is None:
                 return pb.PushSharedReply(connection_lost=True)
             if request.slot == 0:
                 try:
-                    made = self._shared.new_slot(session, request.slot_bytes,
+                    made = self._shared.new_slot(connection, request.slot_bytes,
                                                  max(self._store.nbytes(), 1))
                 except OSError as error:
                     log.warning("no shared-memory push slot of %d bytes for %s (%s): its "
-                                "pushes go over gRPC", request.slot_bytes, session.client_id,
+                                "pushes go over gRPC", request.slot_bytes, connection.client_id,
                                 error.strerror or error)
                     return pb.PushSharedReply()
-                if made is None:  # the session ended meanwhile
+                if made is None:  # the connection ended meanwhile
                     return pb.PushSharedReply(connection_lost=True)
                 return pb.PushSharedReply(slot=made[0], segment=made[1].name)
-            segment = self._shared.slot(session, request.slot)
+            segment = self._shared.slot(connection, request.slot)
             if segment is None:
                 return pb.PushSharedReply(connection_lost=True)
             duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data,
@@ -187,15 +187,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def CloseSharedMemory(self, request: pb.CloseSharedMemoryRequest, context):
         with translate_errors(context, "CloseSharedMemory"):
-            session = self._shared_session(request)
-            if session is not None:
-                self._shared.close_session(session)
+            connection = self._shared_connection(request)
+            if connection is not None:
+                self._shared.close_connection(connection)
             return pb.CloseSharedMemoryReply()
 
-    def _shared_session(self, request):
+    def _shared_connection(self, request):
         if self._shared is None:
             return None
-        return self._shared.session(request.connection, request.secret)
+        return self._shared.connection(request.connection, request.secret)
 
     def AssignShards(self, request: pb.AssignShardsRequest, context):
         with translate_errors(context, "AssignShards"):

@@ -3,7 +3,7 @@
 With it on, every shard's values live in a segment of their own, so that a client on the
 same host pulls by copying them under the segment's sequence lock, with no call at all; the
 server bumps the lock around every update (ShardStore.apply). A client pushes by writing
-its gradients into a push slot (a segment the server made for its session) and sending the
+its gradients into a push slot (a segment the server made for its connection) and sending the
 push's header over gRPC (PushShared): the server validates and applies it from the slot
 exactly as it does a push that came over the wire.
 
@@ -11,7 +11,7 @@ The handshake proves that a client shares the host and the user: the server writ
 secret into a probe segment (mode 0600) and the client must present it on every call. A
 client that cannot read it (another host or container, another user) uses gRPC.
 
-Segments are the server's: made 0600, unlinked when a shard is dropped, a session closes or
+Segments are the server's: made 0600, unlinked when a shard is dropped, a connection closes or
 the server stops, and those a dead server left behind are cleared when a server starts
 (`clear_dead`). A shard whose segment cannot be made (a small /dev/shm) lives in ordinary
 memory and is pulled over gRPC.
@@ -35,17 +35,17 @@ from ps_common.errors import InvalidArgument, Overloaded
 
 log = logging.getLogger(__name__)
 
-# Sessions held at once: past it, the least recently used one ends (its client opens a new
-# one). Push slots per session: a client's push window.
-MAX_SESSIONS = 1024
-MAX_SLOTS_PER_SESSION = 8
+# Connections held at once: past it, the least recently used one ends (its client opens a new
+# one). Push slots per connection: a client's push window.
+MAX_CONNECTIONS = 1024
+MAX_SLOTS_PER_CONNECTION = 8
 # A push read from a slot at least this large is released from the server's memory as it
 # is read (ps_common.shm.Releaser); smaller slots stay mapped, since releasing them would
 # cost a page fault per page on every push for little memory.
 RELEASE_SLOTS_FROM_BYTES = 16 << 20
-# A session whose client never proved the secret (it could not read the probe: another host
+# A connection whose client never proved the secret (it could not read the probe: another host
 # or user) ends after this long, with its probe.
-UNPROVEN_SESSION_S = 30.0
+UNPROVEN_CONNECTION_S = 30.0
 
 
 # Segment names are unique per process (several servers may share one: tests, embedders).
@@ -53,7 +53,7 @@ _SERIAL = itertools.count(1)
 
 
 @dataclass
-class Session:
+class Connection:
     id: int
     client_id: str
     secret: bytes
@@ -77,8 +77,8 @@ class SharedMemory:
         start = shm.process_start_time(os.getpid())
         self._prefix = f"{shm.PREFIX}{os.getpid()}.{start}."
         self._values: dict[int, tuple[np.ndarray, shm.Segment]] = {}  # id(values) -> ...
-        self._sessions: OrderedDict[int, Session] = OrderedDict()
-        self._session_ids = itertools.count(1)
+        self._connections: OrderedDict[int, Connection] = OrderedDict()
+        self._connection_ids = itertools.count(1)
         self._closed = False
         self.control = shm.create(self._name("control"), 0)
         self.control.header[shm.PID] = os.getpid()
@@ -128,9 +128,9 @@ class SharedMemory:
     def set_epoch(self, epoch: int) -> None:
         self.control.header[shm.EPOCH] = epoch
 
-    # ---- sessions ----------------------------------------------------------------------
+    # ---- connections ----------------------------------------------------------------------
 
-    def open_session(self, client_id: str) -> Session:
+    def open_connection(self, client_id: str) -> Connection:
         secret = secrets.token_bytes(shm.SECRET_BYTES)
         probe = shm.create(self._name("probe"), shm.SECRET_BYTES)
         probe.data[:shm.SECRET_BYTES] = secret
@@ -138,84 +138,84 @@ class SharedMemory:
             if self._closed:
                 shm.unlink(probe.path)
                 raise Overloaded("the server is stopping")
-            session = Session(next(self._session_ids), client_id, secret, probe)
-            self._sessions[session.id] = session
+            connection = Connection(next(self._connection_ids), client_id, secret, probe)
+            self._connections[connection.id] = connection
             now = time.monotonic()
-            ended = [s for s in self._sessions.values()
-                     if s.probe is not None and now - s.opened > UNPROVEN_SESSION_S]
+            ended = [s for s in self._connections.values()
+                     if s.probe is not None and now - s.opened > UNPROVEN_CONNECTION_S]
             for old in ended:
-                del self._sessions[old.id]
-            if len(self._sessions) > MAX_SESSIONS:
-                ended.append(self._sessions.popitem(last=False)[1])
+                del self._connections[old.id]
+            if len(self._connections) > MAX_CONNECTIONS:
+                ended.append(self._connections.popitem(last=False)[1])
         for old in ended:
             _end(old)
-        return session
+        return connection
 
-    def session(self, session_id: int, secret: bytes) -> Session | None:
-        """The session, if it exists and `secret` is its own (None: the client opens a new
+    def connection(self, connection_id: int, secret: bytes) -> Connection | None:
+        """The connection, if it exists and `secret` is its own (None: the client opens a new
         one). The first call that proves the secret removes the probe."""
         with self._lock:
-            session = self._sessions.get(session_id)
-            if session is None or not secrets.compare_digest(session.secret, secret):
+            connection = self._connections.get(connection_id)
+            if connection is None or not secrets.compare_digest(connection.secret, secret):
                 return None
-            self._sessions.move_to_end(session_id)
-            probe, session.probe = session.probe, None
+            self._connections.move_to_end(connection_id)
+            probe, connection.probe = connection.probe, None
         if probe is not None:
             shm.unlink(probe.path)
-        return session
+        return connection
 
-    def new_slot(self, session: Session, nbytes: int,
+    def new_slot(self, connection: Connection, nbytes: int,
                  limit: int) -> tuple[int, shm.Segment] | None:
-        """A push slot of `nbytes` for `session` (None: the session has ended). Raises
+        """A push slot of `nbytes` for `connection` (None: the connection has ended). Raises
         InvalidArgument past `limit` (more than any push to this server can carry) and
-        Overloaded when the session holds its MAX_SLOTS_PER_SESSION already; OSError when
+        Overloaded when the connection holds its MAX_SLOTS_PER_CONNECTION already; OSError when
         /dev/shm has no room."""
         if not 0 < nbytes <= limit:
             raise InvalidArgument(f"a push slot of {nbytes} bytes: must be between 1 and "
                                   f"{limit} (the bytes this server holds)")
-        with session.lock:
-            if session.ended:
+        with connection.lock:
+            if connection.ended:
                 return None
-            if len(session.slots) >= MAX_SLOTS_PER_SESSION:
-                raise Overloaded(f"session of {session.client_id} holds "
-                                 f"{MAX_SLOTS_PER_SESSION} push slots already")
+            if len(connection.slots) >= MAX_SLOTS_PER_CONNECTION:
+                raise Overloaded(f"connection of {connection.client_id} holds "
+                                 f"{MAX_SLOTS_PER_CONNECTION} push slots already")
             segment = shm.create(self._name("slot"), nbytes)
             slot = next(_SERIAL)
-            session.slots[slot] = segment
+            connection.slots[slot] = segment
         return slot, segment
 
     @staticmethod
     def releaser(segment: shm.Segment) -> shm.Releaser | None:
         return segment.releaser() if segment.nbytes >= RELEASE_SLOTS_FROM_BYTES else None
 
-    def slot(self, session: Session, slot: int) -> shm.Segment | None:
-        """The session's push slot (None: the session has ended)."""
-        with session.lock:
-            if session.ended:
+    def slot(self, connection: Connection, slot: int) -> shm.Segment | None:
+        """The connection's push slot (None: the connection has ended)."""
+        with connection.lock:
+            if connection.ended:
                 return None
-            segment = session.slots.get(slot)
+            segment = connection.slots.get(slot)
         if segment is None:
-            raise InvalidArgument(f"push slot {slot} is not one of this session's")
+            raise InvalidArgument(f"push slot {slot} is not one of this connection's")
         return segment
 
-    def close_session(self, session: Session) -> None:
+    def close_connection(self, connection: Connection) -> None:
         with self._lock:
-            self._sessions.pop(session.id, None)
-        _end(session)
+            self._connections.pop(connection.id, None)
+        _end(connection)
 
     def close_client(self, client_id: str) -> None:
-        """End the sessions of a client the coordinator declared gone."""
+        """End the connections of a client the coordinator declared gone."""
         with self._lock:
-            ended = [s for s in self._sessions.values() if s.client_id == client_id]
-            for session in ended:
-                del self._sessions[session.id]
-        for session in ended:
-            _end(session)
+            ended = [s for s in self._connections.values() if s.client_id == client_id]
+            for connection in ended:
+                del self._connections[connection.id]
+        for connection in ended:
+            _end(connection)
 
     @property
-    def sessions(self) -> int:
+    def connections(self) -> int:
         with self._lock:
-            return len(self._sessions)
+            return len(self._connections)
 
     # ---- lifetime ------------------------------------------------------------------------
 
@@ -224,12 +224,12 @@ class SharedMemory:
         Mappings stay valid until the arrays are gone, so handlers still running are safe."""
         with self._lock:
             self._closed = True
-            sessions = list(self._sessions.values())
-            self._sessions.clear()
+            connections = list(self._connections.values())
+            self._connections.clear()
             values = [segment for _, segment in self._values.values()]
             self._values.clear()
-        for session in sessions:
-            _end(session)
+        for connection in connections:
+            _end(connection)
         for segment in values:
             _retire(segment)
         _retire(self.control)
@@ -240,12 +240,12 @@ def _retire(segment: shm.Segment) -> None:
     shm.unlink(segment.path)
 
 
-def _end(session: Session) -> None:
-    with session.lock:
-        session.ended = True
-        segments = list(session.slots.values())
-        session.slots.clear()
-        probe, session.probe = session.probe, None
+def _end(connection: Connection) -> None:
+    with connection.lock:
+        connection.ended = True
+        segments = list(connection.slots.values())
+        connection.slots.clear()
+        probe, connection.probe = connection.probe, None
     if probe is not None:
         segments.append(probe)
     for segment in segments:

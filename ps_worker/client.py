@@ -43,7 +43,7 @@ from ps_common.tensors import (
     dtype_to_proto, encode_chunk, from_wire, iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
-from ps_worker.shared_memory import HandshakeFailed, SessionLost, SharedSession
+from ps_worker.shared_memory import HandshakeFailed, ConnectionLost, SharedConnection
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 
@@ -196,8 +196,8 @@ class PSClient:
         self._wire_calls: set = set()  # data-path calls in progress (interrupt cancels them)
         self._unreachable: set[str] = set()  # servers whose outage has been logged
         self._use_shared_memory = shared_memory
-        # Address -> shared-memory session, or None: that server's calls go over gRPC.
-        self._shared: dict[str, SharedSession | None] = {}
+        # Address -> shared-memory connection, or None: that server's calls go over gRPC.
+        self._shared: dict[str, SharedConnection | None] = {}
         # Address -> the path its calls took last ("shm" or "grpc"); kept after close().
         self._paths: dict[str, str] = {}
         # address -> when a failed shared-memory handshake may be tried again
@@ -293,10 +293,10 @@ class PSClient:
         self._rpc_pool.shutdown(wait=True)
         self._release_incarnation()
         with self._lock:
-            sessions = [x for x in self._shared.values() if x is not None]
+            connections = [x for x in self._shared.values() if x is not None]
             self._shared.clear()
-        for session in sessions:
-            session.close()
+        for connection in connections:
+            connection.close()
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
@@ -549,14 +549,14 @@ class PSClient:
                      outputs: dict[str, np.ndarray], wire_dtype: str | None) -> bool:
         """The pull through shared memory, if this server shares it with us; False: over
         gRPC. Values pass through the wire dtype as they would on the wire."""
-        session = self._shared_session(shard_map, server_id)
-        if session is None:
+        connection = self._shared_connection(shard_map, server_id)
+        if connection is None:
             return False
         rows = [outputs[s.variable][s.row_start:s.row_stop] for s in shards]
         try:
-            done = session.read(shard_map.epoch, shards, rows, self._timeout_s)
-        except SessionLost:
-            self._forget_shared(shard_map.servers[server_id], session)
+            done = connection.read(shard_map.epoch, shards, rows, self._timeout_s)
+        except ConnectionLost:
+            self._forget_shared(shard_map.servers[server_id], connection)
             return False
         if done and wire_dtype is not None:
             for shard, values in zip(shards, rows):
@@ -564,8 +564,8 @@ class PSClient:
                     values[...] = from_wire(to_wire(values, wire_dtype), wire_dtype)
         return done
 
-    def _shared_session(self, shard_map: ShardMap, server_id: str) -> SharedSession | None:
-        """This server's shared-memory session, opened (the handshake) on first use."""
+    def _shared_connection(self, shard_map: ShardMap, server_id: str) -> SharedConnection | None:
+        """This server's shared-memory connection, opened (the handshake) on first use."""
         address = shard_map.servers[server_id]
         if not self._use_shared_memory:
             self._paths[address] = "grpc"
@@ -576,7 +576,7 @@ class PSClient:
             if time.monotonic() < self._handshake_retry_at.get(address, 0.0):
                 return None
         try:
-            session = SharedSession.open(self._stub(address), self.client_id, server_id)
+            connection = SharedConnection.open(self._stub(address), self.client_id, server_id)
         except HandshakeFailed:
             with self._lock:
                 self._handshake_retry_at[address] = time.monotonic() + HANDSHAKE_RETRY_S
@@ -584,25 +584,25 @@ class PSClient:
             return None
         with self._lock:
             if address in self._shared:  # another thread's handshake won
-                extra, session = session, self._shared[address]
+                extra, connection = connection, self._shared[address]
             else:
-                extra, self._shared[address] = None, session
-                self._paths[address] = "grpc" if session is None else "shm"
+                extra, self._shared[address] = None, connection
+                self._paths[address] = "grpc" if connection is None else "shm"
         if extra is not None:
             extra.close()
-        return session
+        return connection
 
-    def _forget_shared(self, address: str, session: SharedSession) -> None:
-        """The server ended the session (it restarted or stopped): the next call opens a
+    def _forget_shared(self, address: str, connection: SharedConnection) -> None:
+        """The server ended the connection (it restarted or stopped): the next call opens a
         new one, or goes over gRPC."""
         with self._lock:
-            if self._shared.get(address) is session:
+            if self._shared.get(address) is connection:
                 del self._shared[address]
 
     @property
     def data_paths(self) -> dict[str, str]:
-        """Per server address this client has used: "shm" (it has a shared-memory session
-        with that server) or "grpc". A server whose session ended keeps "shm" until the
+        """Per server address this client has used: "shm" (it has a shared-memory connection
+        with that server) or "grpc". A server whose connection ended keeps "shm" until the
         client's next call to it finds out which path that call takes."""
         with self._lock:
             return dict(sorted(self._paths.items()))
@@ -765,18 +765,18 @@ class PSClient:
                           rows: np.ndarray, wire_dtype: str | None) -> bool:
         """A fixed table's rows read straight from the server's shared memory, if it shares
         it with us; False: over gRPC. Values pass through the wire dtype as on the wire."""
-        session = self._shared_session(shard_map, server_id)
-        if session is None:
+        connection = self._shared_connection(shard_map, server_id)
+        if connection is None:
             return False
         shards = [shard for shard, _ in parts]
         ids = [unique[positions] for _, positions in parts]
         found = [np.empty((len(i), rows.shape[1]), rows.dtype) for i in ids]
         try:
-            done = session.read_rows(shard_map.epoch, shards,
+            done = connection.read_rows(shard_map.epoch, shards,
                                      [i // shard.stride for i, shard in zip(ids, shards)],
                                      found, self._timeout_s)
-        except SessionLost:
-            self._forget_shared(shard_map.servers[server_id], session)
+        except ConnectionLost:
+            self._forget_shared(shard_map.servers[server_id], connection)
             return False
         if done:
             for (_, positions), values in zip(parts, found):
@@ -939,7 +939,8 @@ class PSClient:
         if tuple(grad.shape) != tuple(shape):
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"variable {name!r}: gradient shape {list(grad.shape)} does not "
-                               f"match {'its ids and the rows' if spec.is_table else 'the variable'}"
+                               f"match "
+                               f"{'its ids and the rows' if spec.is_table else 'the variable'}"
                                f"'s shape {list(shape)}")
         if wire_itemsize(wire) > np.dtype(spec.dtype).itemsize:
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
@@ -1013,14 +1014,14 @@ class PSClient:
         """The push through a shared-memory slot, if this server shares memory with us;
         None: send it over gRPC (under the same identity: a server that applied it already
         answers 'duplicate'). Counts the calls it makes in `attempts[0]`."""
-        session = self._shared_session(shard_map, server_id)
-        if session is None:
+        connection = self._shared_connection(shard_map, server_id)
+        if connection is None:
             return None
         address = shard_map.servers[server_id]
         try:
-            slot = session.push_slot(sum(p.grad.nbytes for p in pieces), self._timeout_s)
-        except SessionLost:
-            self._forget_shared(address, session)
+            slot = connection.push_slot(sum(p.grad.nbytes for p in pieces), self._timeout_s)
+        except ConnectionLost:
+            self._forget_shared(address, connection)
             return None
         if slot is None:
             return None
@@ -1032,25 +1033,25 @@ class PSClient:
         def attempt():
             attempts[0] += 1
             try:
-                return self._unary(stub.PushShared, session.push_request(slot, header()),
+                return self._unary(stub.PushShared, connection.push_request(slot, header()),
                                    self._timeout_s, server_id)
             except (grpc.RpcError, RemoteError) as error:
                 unanswered[0] |= error.code() in _NO_ANSWER
                 raise
 
         # After an attempt without an answer the server may still be reading the slot,
-        # whatever a later attempt was told: it is never written again (the session keeps
+        # whatever a later attempt was told: it is never written again (the connection keeps
         # it until it ends). When every attempt was answered, nobody reads it any more.
         try:
             reply = self._call_server(attempt, shard_map, server_id, self._retry)
         except RemoteError as error:
             if error.code() not in _NO_ANSWER and not unanswered[0]:
-                session.release(slot)
+                connection.release(slot)
             raise
         if not unanswered[0]:
-            session.release(slot)
+            connection.release(slot)
         if reply.connection_lost:
-            self._forget_shared(address, session)
+            self._forget_shared(address, connection)
             return None
         return reply.reply
 

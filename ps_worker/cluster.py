@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = {"state": "failed", "error": f"{type(error).__name__}: {error}"}
     finally:
         # A further Ctrl-C / SIGTERM while children are being stopped must not abandon them
-        # (they run in their own sessions): it only makes the stopping impatient (SIGKILL).
+        # (they run in their own process groups): it only makes the stopping impatient (SIGKILL).
         impatient = SignalFlag()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: impatient.set())

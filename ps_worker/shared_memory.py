@@ -1,13 +1,13 @@
 """The client side of the shared-memory data path (server side: ps_server.shared_memory).
 
-A `SharedSession` is one client's session with one server on its host. Pulls copy shard
+A `SharedConnection` is one client's connection with one server on its host. Pulls copy shard
 values straight out of the server's segments under their sequence locks, with no call;
 pushes write the gradients into a push slot and send only the header (PushShared).
 
 Whenever something does not fit (the server's epoch differs from the caller's map, a shard
 is not in shared memory, the lock keeps moving under a long update, no slot can be had),
 `read` returns False or `push_slot` returns None and the caller does the call over gRPC,
-which gives the answer, or the error, a gRPC call gives. `SessionLost` means the session is
+which gives the answer, or the error, a gRPC call gives. `ConnectionLost` means the connection is
 over (the server restarted or stopped): the caller forgets it and opens a new one later.
 """
 
@@ -37,8 +37,8 @@ class HandshakeFailed(Exception):
     """The handshake call failed: use gRPC, and try the handshake again later."""
 
 
-class SessionLost(Exception):
-    """The server no longer knows this session (it restarted or stopped)."""
+class ConnectionLost(Exception):
+    """The server no longer knows this connection (it restarted or stopped)."""
 
 
 class PushSlot:
@@ -57,14 +57,14 @@ class PushSlot:
             offset += raw.size
 
 
-class SharedSession:
+class SharedConnection:
     """Thread-safe. Made by `open`, which returns None when the server cannot share memory
     with this process."""
 
-    def __init__(self, stub, session: int, secret: bytes, control: shm.Segment,
+    def __init__(self, stub, connection: int, secret: bytes, control: shm.Segment,
                  server_id: str):
         self._stub = stub
-        self._session = session
+        self._connection = connection
         self._secret = secret
         self._control = control
         self._server_id = server_id
@@ -76,8 +76,8 @@ class SharedSession:
         self._no_more_slots = False
 
     @classmethod
-    def open(cls, stub, client_id: str, server_id: str) -> "SharedSession | None":
-        """The handshake: a session if the server offers one and this process can read the
+    def open(cls, stub, client_id: str, server_id: str) -> "SharedConnection | None":
+        """The handshake: a connection if the server offers one and this process can read the
         secret in its probe segment (same host, same user); else None. Raises
         HandshakeFailed when the call itself failed (the server away, slow or restarting):
         the answer may differ next time."""
@@ -115,7 +115,7 @@ class SharedSession:
         """Copy each shard's values into its destination (same shape and dtype), each a
         consistent snapshot. False: do this pull over gRPC instead."""
         if self._control.retired:
-            raise SessionLost()
+            raise ConnectionLost()
         if int(self._control.header[shm.EPOCH]) != epoch:
             return False  # gRPC answers stale or not-ready as it should
         sources = self._sources(epoch, shards, timeout_s)
@@ -132,7 +132,7 @@ class SharedSession:
         (`(len(rows[i]), dim)`, the shard's dtype), each shard's at one instant. False: do
         this pull over gRPC instead."""
         if self._control.retired:
-            raise SessionLost()
+            raise ConnectionLost()
         if int(self._control.header[shm.EPOCH]) != epoch:
             return False
         sources = self._sources(epoch, shards, timeout_s)
@@ -159,14 +159,14 @@ class SharedSession:
 
     def _attach(self, epoch: int, shards: list[Shard], timeout_s: float) -> None:
         request = pb.AttachShardsRequest(
-            connection=self._session, secret=self._secret, epoch=epoch,
+            connection=self._connection, secret=self._secret, epoch=epoch,
             shards=[pb.ShardRef(variable=s.variable, index=s.index) for s in shards])
         try:
             reply = self._stub.AttachShards(request, timeout=timeout_s)
         except (grpc.RpcError, ValueError):  # ValueError: interrupt() closed the channel
             return  # the pull goes over gRPC, which reports what is wrong
         if reply.connection_lost:
-            raise SessionLost()
+            raise ConnectionLost()
         by_key = {s.key: s for s in shards}
         attached = {}
         for shared in reply.shards:
@@ -195,7 +195,7 @@ class SharedSession:
                     return self._free.pop(i)
             if self._no_more_slots:
                 return None
-        request = pb.PushSharedRequest(connection=self._session, secret=self._secret,
+        request = pb.PushSharedRequest(connection=self._connection, secret=self._secret,
                                        slot_bytes=max(nbytes, 1))
         try:
             reply = self._stub.PushShared(request, timeout=timeout_s)
@@ -207,7 +207,7 @@ class SharedSession:
                     self._no_more_slots = True
             return None
         if reply.connection_lost:
-            raise SessionLost()
+            raise ConnectionLost()
         if not reply.slot:
             return None
         try:
@@ -220,15 +220,15 @@ class SharedSession:
             self._free.append(slot)
 
     def push_request(self, slot: PushSlot, header: pb.PushHeader) -> pb.PushSharedRequest:
-        return pb.PushSharedRequest(connection=self._session, secret=self._secret,
+        return pb.PushSharedRequest(connection=self._connection, secret=self._secret,
                                     slot=slot.slot, header=header)
 
     def close(self) -> None:
-        """End the session at the server (best effort: it also ends when the server stops
+        """End the connection at the server (best effort: it also ends when the server stops
         or the coordinator declares this client gone)."""
         try:
             self._stub.CloseSharedMemory(pb.CloseSharedMemoryRequest(
-                connection=self._session, secret=self._secret), timeout=2.0)
+                connection=self._connection, secret=self._secret), timeout=2.0)
         except (grpc.RpcError, ValueError):  # ValueError: the channel is closed already
             pass
 

@@ -1,7 +1,7 @@
 """The shared-memory data path against in-process clusters: pulls without calls, pushes as
 PushShared headers, owner-only segments that servers remove, consistent snapshots under
 concurrent updates, the fallbacks to gRPC, bad input straight to a server, exactly-once
-over shared memory, a server restart ending a session, and the clearing of a dead server's
+over shared memory, a server restart ending a connection, and the clearing of a dead server's
 segments.
 
 The servers of these clusters run in this process, so their segments are named with this
@@ -95,7 +95,7 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return bfloat16_bits_to_float32(float32_to_bfloat16_bits(x.astype(np.float32)))
 
 
-class RawSession:
+class RawConnection:
     """The handshake done by hand with a raw stub, as a client on this host would."""
 
     def __init__(self, stub, client_id: str = "raw-client"):
@@ -103,18 +103,19 @@ class RawSession:
         reply = stub.OpenSharedMemory(ps_pb.OpenSharedMemoryRequest(client_id=client_id),
                                       timeout=10)
         assert reply.offered
-        self.probe_name, self.control_name, self.session = reply.probe, reply.control, reply.connection
+        self.probe_name, self.control_name = reply.probe, reply.control
+        self.connection = reply.connection
         self.secret = bytes(shm.attach(reply.probe, writable=False).data[:shm.SECRET_BYTES])
 
     def new_slot(self, nbytes: int, *, secret: bytes | None = None) -> ps_pb.PushSharedReply:
         return self.stub.PushShared(ps_pb.PushSharedRequest(
-            connection=self.session, secret=self.secret if secret is None else secret,
+            connection=self.connection, secret=self.secret if secret is None else secret,
             slot_bytes=nbytes), timeout=10)
 
     def push(self, slot: int, header: ps_pb.PushHeader, *,
              secret: bytes | None = None) -> ps_pb.PushSharedReply:
         return self.stub.PushShared(ps_pb.PushSharedRequest(
-            connection=self.session, secret=self.secret if secret is None else secret, slot=slot,
+            connection=self.connection, secret=self.secret if secret is None else secret, slot=slot,
             header=header), timeout=10)
 
 
@@ -190,7 +191,7 @@ def test_segments_are_owner_only_and_removed_when_the_cluster_stops(stub_of):
             cluster.wait_until_synced()
             ps.pull(["w", "b"])
             ps.push({"w": np.ones((40, 4), np.float32), "b": np.ones(4, np.float32)})
-            RawSession(stub_of(cluster, 0))  # a session whose probe is still there
+            RawConnection(stub_of(cluster, 0))  # a connection whose probe is still there
             made = own_segments() - before
             kinds = {name.rsplit(".", 1)[1] for name in made}
             assert {"control", "values", "slot", "probe"} <= kinds, made
@@ -276,7 +277,8 @@ def test_data_paths_never_says_grpc_for_a_server_used_through_shared_memory(make
         assert ps.data_paths == {address: "shm"}
         cluster.faults.hold_next("CloseSharedMemory", held)  # a close that takes a moment
         closing.start()
-        wait_until(lambda: calls(cluster, "CloseSharedMemory") == 1, "close() to end the session")
+        wait_until(lambda: calls(cluster, "CloseSharedMemory") == 1,
+                   "close() to end the connection")
         while_closing = ps.data_paths
     finally:
         held.set()
@@ -356,9 +358,9 @@ def test_a_client_that_dies_after_writing_its_slot_leaves_nothing_applied(make_c
         try:
             shard_map = dying.shard_map
             (shard,) = shard_map.shards_of("w")
-            session = dying._shared_session(shard_map, shard.server_id)
-            assert session is not None
-            slot = session.push_slot(start.nbytes, timeout_s=10)
+            connection = dying._shared_connection(shard_map, shard.server_id)
+            assert connection is not None
+            slot = connection.push_slot(start.nbytes, timeout_s=10)
             assert slot is not None
             slot.write([np.full((30, 4), 1000.0, np.float32)])
             slot_path = slot.segment.path
@@ -368,7 +370,7 @@ def test_a_client_that_dies_after_writing_its_slot_leaves_nothing_applied(make_c
         assert calls(cluster, "Push") == 0 and calls(cluster, "PushSharedSlot") == 1
         np.testing.assert_array_equal(ps.pull("w"), start)
         np.testing.assert_array_equal(grpc_pull(cluster, "w"), start)
-        assert not slot_path.exists()  # its session ended with it (CloseSharedMemory)
+        assert not slot_path.exists()  # its connection ended with it (CloseSharedMemory)
 
         ps.push({"w": np.ones((30, 4), np.float32)})
         np.testing.assert_array_equal(ps.pull("w"), start - 1)
@@ -381,7 +383,7 @@ def test_raw_push_shared_with_a_nan_gradient_is_invalid_argument(make_cluster, s
         ps.declare("w", shape=(8, 4), init="uniform", optimizer=SGD1, seed=2)
         before = ps.pull("w")
         epoch = ps.shard_map.epoch
-    raw = RawSession(stub_of(cluster))
+    raw = RawConnection(stub_of(cluster))
     reply = raw.new_slot(8 * 4 * 4)
     assert reply.slot and not reply.connection_lost
     segment = shm.attach(reply.segment, writable=True)
@@ -400,14 +402,14 @@ def test_raw_push_shared_with_a_nan_gradient_is_invalid_argument(make_cluster, s
     np.testing.assert_array_equal(grpc_pull(cluster, "w"), before - 1)
 
 
-def test_raw_push_shared_with_a_wrong_secret_is_session_lost_and_applies_nothing(
+def test_raw_push_shared_with_a_wrong_secret_is_connection_lost_and_applies_nothing(
         make_cluster, stub_of):
     cluster = make_cluster(servers=1)
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("w", shape=(8, 4), init="uniform", optimizer=SGD1, seed=3)
         before = ps.pull("w")
         epoch = ps.shard_map.epoch
-    raw = RawSession(stub_of(cluster))
+    raw = RawConnection(stub_of(cluster))
     wrong = bytes(b ^ 0xFF for b in raw.secret)
     assert raw.new_slot(128, secret=wrong).connection_lost
     reply = raw.new_slot(8 * 4 * 4)
@@ -429,19 +431,19 @@ def test_raw_slot_requests_outside_the_limits_are_refused(make_cluster, stub_of)
     cluster = make_cluster(servers=1)
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("w", shape=(8, 4), optimizer=SGD1)
-    raw = RawSession(stub_of(cluster))
+    raw = RawConnection(stub_of(cluster))
     held = cluster.servers[0].store.nbytes()
     for nbytes in (held + 1, 0, -1):
         with pytest.raises(grpc.RpcError) as caught:
             raw.new_slot(nbytes)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, nbytes
-    slots = [raw.new_slot(held) for _ in range(server_shm.MAX_SLOTS_PER_SESSION)]
-    assert len({s.slot for s in slots}) == server_shm.MAX_SLOTS_PER_SESSION
+    slots = [raw.new_slot(held) for _ in range(server_shm.MAX_SLOTS_PER_CONNECTION)]
+    assert len({s.slot for s in slots}) == server_shm.MAX_SLOTS_PER_CONNECTION
     with pytest.raises(grpc.RpcError) as caught:
         raw.new_slot(16)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # Pushing into a slot of another session is refused too.
-    other = RawSession(stub_of(cluster), client_id="other")
+    # Pushing into a slot of another connection is refused too.
+    other = RawConnection(stub_of(cluster), client_id="other")
     header = push_header(ps.shard_map.epoch, "w", (8, 4), client_id=uuid.uuid4().hex)
     with pytest.raises(grpc.RpcError) as caught:
         other.push(slots[0].slot, header)
@@ -454,9 +456,9 @@ def test_a_client_refused_more_slots_pushes_over_grpc(make_cluster):
         ps.declare("w", shape=(8, 4), init="uniform", optimizer=SGD1, seed=5)
         start = ps.pull("w")
         (shard,) = ps.shard_map.shards_of("w")
-        session = ps._shared_session(ps.shard_map, shard.server_id)
-        taken = [session.push_slot(start.nbytes, timeout_s=10)
-                 for _ in range(server_shm.MAX_SLOTS_PER_SESSION)]
+        connection = ps._shared_connection(ps.shard_map, shard.server_id)
+        taken = [connection.push_slot(start.nbytes, timeout_s=10)
+                 for _ in range(server_shm.MAX_SLOTS_PER_CONNECTION)]
         assert all(slot is not None for slot in taken)  # every slot is held by the test
         asked = calls(cluster, "PushSharedSlot")
 
@@ -469,7 +471,7 @@ def test_a_client_refused_more_slots_pushes_over_grpc(make_cluster):
         np.testing.assert_array_equal(grpc_pull(cluster, "w"), (start - 1) - 1)
         assert ps.data_paths == {cluster.servers[0].address: "shm"}  # pulls still are
         for slot in taken:
-            session.release(slot)
+            connection.release(slot)
 
 
 def test_a_counter_equals_the_pushes_across_lost_push_shared_responses(make_cluster):
@@ -503,7 +505,7 @@ def test_a_push_that_timed_out_is_never_applied_with_the_next_push_s_gradient(
     with PSClient(cluster.coordinator_address) as setup:
         setup.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
     with PSClient(cluster.coordinator_address, timeout_s=1.5) as ps:
-        ps.push({"w": np.zeros(4, np.float32)})  # sequence 1: the session and its slot
+        ps.push({"w": np.zeros(4, np.float32)})  # sequence 1: the connection and its slot
         try:
             cluster.faults.hold_next("Push", first_held)  # sequence 2 stalls in the server
             with pytest.raises(RemoteError) as caught:
@@ -527,9 +529,9 @@ def test_a_push_that_timed_out_is_never_applied_with_the_next_push_s_gradient(
     assert value[0] in (-101.0, -100.0), value
 
 
-# ---- sessions end with their server ------------------------------------------------------------
+# ---- connections end with their server -------------------------------------------------
 
-def test_a_restarted_server_ends_the_session_and_the_client_opens_a_new_one(
+def test_a_restarted_server_ends_the_connection_and_the_client_opens_a_new_one(
         make_cluster, tmp_path):
     cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "checkpoints")
     with PSClient(cluster.coordinator_address) as ps:
@@ -547,7 +549,7 @@ def test_a_restarted_server_ends_the_session_and_the_client_opens_a_new_one(
         new = cluster.restart_server(0)
         assert not any(exists(name) for name in old_segments)
         assert new.shared.control.name not in old_segments
-        # Restored from the checkpoint: the next calls find the session gone and go on.
+        # Restored from the checkpoint: the next calls find the connection gone and go on.
         np.testing.assert_array_equal(ps.pull("w"), np.ones((6, 3), np.float32))
         ps.push({"w": np.ones((6, 3), np.float32)})
         np.testing.assert_array_equal(ps.pull("w"), np.zeros((6, 3), np.float32))
@@ -556,7 +558,7 @@ def test_a_restarted_server_ends_the_session_and_the_client_opens_a_new_one(
         pushed = calls(cluster, "Push")
         np.testing.assert_array_equal(ps.pull("w"), np.zeros((6, 3), np.float32))
         ps.push({"w": np.ones((6, 3), np.float32)})
-        assert calls(cluster, "Pull") == pulled  # through the new session's segments
+        assert calls(cluster, "Pull") == pulled  # through the new connection's segments
         assert calls(cluster, "Push") == pushed + 1
         assert value_segments(new)  # the restored shard lives in shared memory
     np.testing.assert_array_equal(grpc_pull(cluster, "w"), -np.ones((6, 3), np.float32))
@@ -719,40 +721,40 @@ def test_a_shard_whose_optimizer_state_runs_out_of_memory_leaves_no_segment(
 
 def test_nothing_made_after_close_is_left_in_shared_memory(shared_store):
     memory, _, _ = shared_store
-    session = memory.open_session("late-client")
+    connection = memory.open_connection("late-client")
     memory.close()
     assert not own_segments()
     values = memory.empty((16,), "float32")  # a handler still running as the server stops
     values[...] = 1.0  # still usable: its mapping outlives the name
-    assert memory.new_slot(session, 64, 1024) is None
-    assert memory.slot(session, 1) is None
+    assert memory.new_slot(connection, 64, 1024) is None
+    assert memory.slot(connection, 1) is None
     assert not own_segments()
 
 
-def test_a_push_to_a_session_ending_meanwhile_is_session_lost_not_invalid_argument(
+def test_a_push_to_a_connection_ending_meanwhile_is_connection_lost_not_invalid_argument(
         make_cluster, stub_of, monkeypatch):
     cluster = make_cluster(servers=1)
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
         epoch = ps.shard_map.epoch
-    raw = RawSession(stub_of(cluster))
+    raw = RawConnection(stub_of(cluster))
     made = raw.new_slot(16)
     assert made.slot
     memory = cluster.servers[0].shared
-    found = memory.session
+    found = memory.connection
 
-    def found_then_ended(session_id, secret):
-        """The session is evicted just after the call found it."""
-        session = found(session_id, secret)
-        memory.close_session(session)
-        return session
+    def found_then_ended(connection_id, secret):
+        """The connection is evicted just after the call found it."""
+        connection = found(connection_id, secret)
+        memory.close_connection(connection)
+        return connection
 
-    monkeypatch.setattr(memory, "session", found_then_ended)
+    monkeypatch.setattr(memory, "connection", found_then_ended)
     reply = raw.push(made.slot, push_header(epoch, "w", (4,), client_id="raw-client"))
     assert reply.connection_lost
     monkeypatch.undo()
-    raw = RawSession(stub_of(cluster))
-    monkeypatch.setattr(memory, "session", found_then_ended)
+    raw = RawConnection(stub_of(cluster))
+    monkeypatch.setattr(memory, "connection", found_then_ended)
     assert raw.new_slot(16).connection_lost
     np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.zeros(4, np.float32))
 
@@ -767,14 +769,14 @@ def test_shared_memory_calls_on_a_closed_channel_fall_back_instead_of_raising(ma
         epoch = ps.shard_map.epoch
     channel = grpc.insecure_channel(cluster.servers[0].address)
     stub = ps_grpc.ParameterServerStub(channel)
-    session = client_shm.SharedSession.open(stub, "closing-client", "s0")
-    assert session is not None
+    connection = client_shm.SharedConnection.open(stub, "closing-client", "s0")
+    assert connection is not None
     channel.close()
-    assert client_shm.SharedSession.open(stub, "closing-client", "s0") is None
-    assert session.push_slot(16, 5.0) is None
+    assert client_shm.SharedConnection.open(stub, "closing-client", "s0") is None
+    assert connection.push_slot(16, 5.0) is None
     out = np.empty(4, np.float32)
-    assert not session.read(epoch, list(shards), [out], 5.0)
-    session.close()
+    assert not connection.read(epoch, list(shards), [out], 5.0)
+    connection.close()
 
 
 def test_a_push_slot_is_never_reused_after_an_attempt_without_an_answer(make_cluster):

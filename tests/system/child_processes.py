@@ -1,4 +1,4 @@
-"""Child processes of the system tests: `python -m MODULE args` in a session of its own,
+"""Child processes of the system tests: `python -m MODULE args` in a process group of its own,
 stdout and stderr in files; every wait bounded. The `launch` fixture (conftest.py) starts
 them and ends them after each test."""
 
@@ -79,7 +79,7 @@ class Proc:
 
 def end_all(procs: list[Proc]) -> None:
     """SIGCONT (in case a test paused one) and SIGTERM to each one still running, then
-    SIGKILL of its process group (its own session: only it) after a bounded wait."""
+    SIGKILL of its process group (its own: only it) after a bounded wait."""
     alive = [p for p in procs if p.returncode is None]
     for proc in alive:
         proc.signal(signal.SIGCONT)

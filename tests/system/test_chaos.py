@@ -41,7 +41,7 @@ def run_ps_cluster(tmp_path: Path, *args: str, timeout: float) -> tuple[int, dic
             try:
                 proc.wait(EXIT_S)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: only ps-cluster
+                os.killpg(proc.pid, signal.SIGKILL)  # its own process group: only ps-cluster
                 proc.wait(EXIT_S)
             pytest.fail(f"ps-cluster still running after {timeout:g} s:\n"
                         f"{out_path.read_text(errors='replace')[-5000:]}")

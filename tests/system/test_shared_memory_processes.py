@@ -3,7 +3,7 @@ that pulls and pushes through its segments, restarted on its port (its segments 
 the client back on shared memory), and the data path as ps-cluster and ps-ctl report it.
 
 Every process is started as `python -m MODULE` on OS-chosen ports on 127.0.0.1, in its own
-session, and ended by the `launch` fixture whatever happens; every wait is bounded."""
+connection, and ended by the `launch` fixture whatever happens; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_a_sigkilled_server_is_cleared_on_restart_and_its_shared_memory_client_c
             ps.push({"count": COUNT_UP})
         assert ps.pull("count")[0] == 10.0
         np.testing.assert_array_equal(ps.pull("w"), w)  # restored as checkpointed
-        assert ps.data_paths == {server_address: "shm"}  # a new session on the new server
+        assert ps.data_paths == {server_address: "shm"}  # a new connection on the new server
         assert segments_of(killed) == []
         # Its pushes go through a slot of the new server's, its pulls through its values.
         assert {"control", "values", "slot"} <= {n.rsplit(".", 1)[1]
