@@ -24,7 +24,9 @@ from ps_proto.v1 import tensor_pb2
 log = logging.getLogger(__name__)
 
 
-def _status_for(error: PSError) -> grpc.Status:
+def status_of(error: PSError) -> status_pb2.Status:
+    """The google.rpc.Status a handler that raised `error` ends with: its code, public
+    message and typed details (StaleEpoch, RetryInfo)."""
     details = []
     if isinstance(error, StaleEpoch):
         detail = any_pb2.Any()
@@ -37,8 +39,15 @@ def _status_for(error: PSError) -> grpc.Status:
         delay.FromNanoseconds(int(error.retry_after_s * 1e9))
         detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
         details.append(detail)
-    return rpc_status.to_status(status_pb2.Status(
-        code=getattr(code_pb2, error.code), message=error.message, details=details))
+    return status_pb2.Status(code=getattr(code_pb2, error.code), message=error.message,
+                             details=details)
+
+
+def internal_status(method: str) -> status_pb2.Status:
+    """What a handler that failed for a reason of the server's own ends with (the reason
+    itself goes to the server's log, never to the client)."""
+    return status_pb2.Status(code=code_pb2.INTERNAL,
+                             message=f"internal error in {method}; see the server log")
 
 
 @contextlib.contextmanager
@@ -47,7 +56,7 @@ def translate_errors(context: grpc.ServicerContext, method: str):
     try:
         yield
     except PSError as error:
-        context.abort_with_status(_status_for(error))
+        context.abort_with_status(rpc_status.to_status(status_of(error)))
     except grpc.RpcError:
         # The caller's request stream broke (cancelled, deadline, disconnect): it is not
         # waiting for an answer, and this is no server fault worth a traceback.
@@ -58,7 +67,7 @@ def translate_errors(context: grpc.ServicerContext, method: str):
         if context.code() is not None:
             raise
         log.exception("internal error in %s", method)
-        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
+        context.abort_with_status(rpc_status.to_status(internal_status(method)))
 
 
 class RemoteError(Exception):
@@ -86,9 +95,24 @@ class RemoteError(Exception):
     def from_rpc_error(cls, error: grpc.RpcError, *, target: str = "") -> "RemoteError":
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         message = (error.details() if hasattr(error, "details") else None) or str(error)
-        stale, retry_after = None, None
         status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
-        for detail in status.details if status is not None else ():
+        return cls._with_details(code, message, status.details if status is not None else (),
+                                 target)
+
+    @classmethod
+    def from_status(cls, status: status_pb2.Status, *, target: str = "") -> "RemoteError":
+        """The error a call that ended with `status` (a google.rpc.Status) raises."""
+        try:
+            code = grpc.StatusCode[code_pb2.Code.Name(status.code)]
+        except (ValueError, KeyError):
+            code = grpc.StatusCode.UNKNOWN
+        return cls._with_details(code, status.message, status.details, target)
+
+    @classmethod
+    def _with_details(cls, code: grpc.StatusCode, message: str, details,
+                      target: str) -> "RemoteError":
+        stale, retry_after = None, None
+        for detail in details:
             candidate = tensor_pb2.StaleEpoch()
             retry = error_details_pb2.RetryInfo()
             if detail.Unpack(candidate):

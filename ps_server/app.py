@@ -90,7 +90,12 @@ class ParameterServer:
     no longer knows it (e.g. after the coordinator restarted).
     """
 
-    def __init__(self, config: ServerConfig, *, interceptors=()):
+    def __init__(self, config: ServerConfig, *, interceptors=(), push_socket_filter=None):
+        """`interceptors`: gRPC server interceptors. Calls through the push socket
+        (ps_server.push_socket) do not pass them: a client reaches that socket only with the
+        secret of a shared-memory connection it opened over gRPC. `push_socket_filter(handle)`
+        returns the handler the push socket calls instead of `handle` (tests inject faults
+        there, as `interceptors` do over gRPC)."""
         self.config = config
         self.shared = self._shared_memory(config)
         self.memory_budget_bytes = (default_memory_budget() if config.memory_budget_bytes is None
@@ -108,7 +113,8 @@ class ParameterServer:
                                                default_checkpoint_memory()
                                                if config.checkpoint_memory_bytes is None
                                                else config.checkpoint_memory_bytes),
-                                           shared=self.shared)
+                                           shared=self.shared,
+                                           push_socket_filter=push_socket_filter)
         try:
             self._daemon = Daemon(
                 host=config.host, port=config.port, service_names=[SERVICE_NAME],

@@ -50,7 +50,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                  fence: CoordinatorFence, streams: StreamLimiter, server_id: str = "",
                  buffers: BufferPool | None = None, snapshot_bytes: int = SNAPSHOT_BYTES,
                  checkpoint_memory_bytes: int = snapshots.DEFAULT_MEMORY_BYTES,
-                 shared: SharedMemory | None = None):
+                 shared: SharedMemory | None = None, push_socket_filter=None):
         self._store = store
         self._shared = shared
         self._ledger = ledger
@@ -64,6 +64,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # Pull snapshots of multi-chunk shards: at most this many bytes of copies at once.
         self._snapshots = ByteBudget(snapshot_bytes)
         self._pushes = PushReceiver(store, ledger, self._buffers)
+        if shared is not None:
+            shared.serve_pushes(self._push_shared if push_socket_filter is None
+                                else push_socket_filter(self._push_shared))
 
     def Pull(self, request: pb.PullRequest, context):
         with translate_errors(context, "Pull"), self._streams.admit(context, "Pull") as stream:
@@ -145,7 +148,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             connection = self._shared.open_connection(request.client_id)
             return pb.OpenSharedMemoryReply(
                 offered=True, probe=connection.probe_name, control=self._shared.control.name,
-                connection=connection.id)
+                connection=connection.id, push_socket=self._shared.push_socket_name)
 
     def AttachShards(self, request: pb.AttachShardsRequest, context):
         with translate_errors(context, "AttachShards"):
@@ -163,27 +166,31 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def PushShared(self, request: pb.PushSharedRequest, context):
         with translate_errors(context, "PushShared"):
-            connection = self._shared_connection(request)
-            if connection is None:
+            return self._push_shared(request)
+
+    def _push_shared(self, request: pb.PushSharedRequest) -> pb.PushSharedReply:
+        """PushShared, over gRPC or the push socket (ps_server.push_socket): raises PSError."""
+        connection = self._shared_connection(request)
+        if connection is None:
+            return pb.PushSharedReply(connection_lost=True)
+        if request.slot == 0:
+            try:
+                made = self._shared.new_slot(connection, request.slot_bytes,
+                                             max(self._store.nbytes(), 1))
+            except OSError as error:
+                log.warning("no shared-memory push slot of %d bytes for %s (%s): its "
+                            "pushes go over gRPC", request.slot_bytes, connection.client_id,
+                            error.strerror or error)
+                return pb.PushSharedReply()
+            if made is None:  # the connection ended meanwhile
                 return pb.PushSharedReply(connection_lost=True)
-            if request.slot == 0:
-                try:
-                    made = self._shared.new_slot(connection, request.slot_bytes,
-                                                 max(self._store.nbytes(), 1))
-                except OSError as error:
-                    log.warning("no shared-memory push slot of %d bytes for %s (%s): its "
-                                "pushes go over gRPC", request.slot_bytes, connection.client_id,
-                                error.strerror or error)
-                    return pb.PushSharedReply()
-                if made is None:  # the connection ended meanwhile
-                    return pb.PushSharedReply(connection_lost=True)
-                return pb.PushSharedReply(slot=made[0], segment=made[1].name)
-            segment = self._shared.slot(connection, request.slot)
-            if segment is None:
-                return pb.PushSharedReply(connection_lost=True)
-            duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data,
-                                                    self._shared.releaser(segment))
-            return pb.PushSharedReply(reply=pb.PushReply(duplicate=duplicate))
+            return pb.PushSharedReply(slot=made[0], segment=made[1].name)
+        segment = self._shared.slot(connection, request.slot)
+        if segment is None:
+            return pb.PushSharedReply(connection_lost=True)
+        duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data,
+                                                self._shared.releaser(segment))
+        return pb.PushSharedReply(reply=pb.PushReply(duplicate=duplicate))
 
     def CloseSharedMemory(self, request: pb.CloseSharedMemoryRequest, context):
         with translate_errors(context, "CloseSharedMemory"):

@@ -5,7 +5,9 @@ same host pulls by copying them under the segment's sequence lock, with no call 
 server bumps the lock around every update (ShardStore.apply). A client pushes by writing
 its gradients into a push slot (a segment the server made for its connection) and sending the
 push's header over gRPC (PushShared): the server validates and applies it from the slot
-exactly as it does a push that came over the wire.
+exactly as it does a push that came over the wire. The same call also goes through the
+server's push socket (ps_server.push_socket), which costs the server a fraction of a gRPC
+call; gRPC remains for clients that cannot reach the socket.
 
 The handshake proves that a client shares the host and the user: the server writes a
 secret into a probe segment (mode 0600) and the client must present it on every call. A
@@ -32,6 +34,7 @@ import numpy as np
 
 from ps_common import shm
 from ps_common.errors import InvalidArgument, Overloaded
+from ps_server.push_socket import PushSocket
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class SharedMemory:
         self._closed = False
         self.control = shm.create(self._name("control"), 0)
         self.control.header[shm.PID] = os.getpid()
+        self._push_socket: PushSocket | None = None
 
     def _name(self, kind: str) -> str:
         return f"{self._prefix}{next(_SERIAL)}.{kind}"
@@ -124,6 +128,26 @@ class SharedMemory:
             entry = self._values.pop(id(values), None)
         if entry is not None:
             _retire(entry[1])
+
+    def serve_pushes(self, handle) -> None:
+        """Answer PushShared calls through a push socket with `handle` (the servicer's).
+        Without one (the socket cannot be made) clients send them over gRPC."""
+        try:
+            push_socket = PushSocket(str(shm.DIRECTORY / self._name("socket")), handle)
+        except OSError as error:
+            log.warning("no push socket (%s): shared-memory pushes are announced over gRPC",
+                        error.strerror or error)
+            return
+        with self._lock:
+            if not self._closed and self._push_socket is None:
+                self._push_socket, push_socket = push_socket, None
+        if push_socket is not None:
+            push_socket.close()
+
+    @property
+    def push_socket_name(self) -> str:
+        """The push socket's name in the segments' directory ("": none)."""
+        return "" if self._push_socket is None else self._push_socket.name
 
     def set_epoch(self, epoch: int) -> None:
         self.control.header[shm.EPOCH] = epoch
@@ -228,6 +252,9 @@ class SharedMemory:
             self._connections.clear()
             values = [segment for _, segment in self._values.values()]
             self._values.clear()
+            push_socket, self._push_socket = self._push_socket, None
+        if push_socket is not None:
+            push_socket.close()
         for connection in connections:
             _end(connection)
         for segment in values:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from ps_common.errors import PSError
 from ps_server.app import ParameterServer, ServerConfig
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.checkpointer import Interval
@@ -43,6 +44,7 @@ class FaultInjector(grpc.ServerInterceptor):
         self._then: dict[str, object] = {}
         self._hold: dict[str, threading.Event] = {}
         self.calls: dict[str, int] = {}
+        self.socket_calls = 0  # PushShared calls that came through a push socket
 
     def fail_next(self, method: str, n: int = 1,
                   code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
@@ -98,6 +100,33 @@ class FaultInjector(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"injected loss of the {method} response")
 
         return handler._replace(**{kind: wrapped})
+
+    def push_socket_filter(self, handle):
+        """The same faults, and the same counts in `calls`, for PushShared calls through the
+        push socket (ParameterServer's `push_socket_filter`)."""
+
+        def wrapped(request):
+            with self._lock:
+                self.socket_calls += 1
+            action, code = self._take(_family("PushShared", request))
+            if action == "hold":
+                code.wait(timeout=60.0)
+            if action == "fail":
+                raise _injected(code, "injected failure of PushShared")
+            result = handle(request)
+            if action != "drop":
+                return result
+            if code is not None:
+                code()
+            raise _injected(grpc.StatusCode.UNAVAILABLE, "injected loss of the PushShared response")
+
+        return wrapped
+
+
+def _injected(code: grpc.StatusCode, message: str) -> PSError:
+    error = PSError(message)
+    error.code = code.name
+    return error
 
 
 # Data-path calls are counted and faulted by what they do: "Pull" and "Push" name every
@@ -178,7 +207,8 @@ class InProcessCluster:
     def _start_server(self, server_id: str, port: int) -> ParameterServer:
         config = ServerConfig(server_id=server_id, port=port,
                               coordinator=self.coordinator_address, **self._server_kwargs)
-        return ParameterServer(config, interceptors=[self.faults]).start()
+        return ParameterServer(config, interceptors=[self.faults],
+                               push_socket_filter=self.faults.push_socket_filter).start()
 
     def wait_until_registered(self) -> None:
         deadline = time.monotonic() + self._ready_timeout_s

@@ -250,8 +250,11 @@ class PSClient:
             # Unary data-path calls block without a future (a future costs a thread handoff
             # per call); closing their channels is what ends them.
             channels = list(self._channels.values())
+            connections = [x for x in self._shared.values() if x is not None]
         for call in calls:
             call.cancel()
+        for connection in connections:
+            connection.interrupt()
         for channel in channels:
             channel.close()
 
@@ -1032,9 +1035,12 @@ class PSClient:
 
         def attempt():
             attempts[0] += 1
+            request = connection.push_request(slot, header())
             try:
-                return self._unary(stub.PushShared, connection.push_request(slot, header()),
-                                   self._timeout_s, server_id)
+                reply = connection.push(request, self._timeout_s)
+                if reply is None:
+                    reply = self._unary(stub.PushShared, request, self._timeout_s, server_id)
+                return reply
             except (grpc.RpcError, RemoteError) as error:
                 unanswered[0] |= error.code() in _NO_ANSWER
                 raise

@@ -14,14 +14,18 @@ over (the server restarted or stopped): the caller forgets it and opens a new on
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
 import grpc
 import numpy as np
+from google.rpc import status_pb2
 
 from ps_common import shm
+from ps_common.framing import read_frame, write_frame
 from ps_common.shardmap import Shard
+from ps_common.status import RemoteError
 from ps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -31,6 +35,8 @@ log = logging.getLogger(__name__)
 MAX_READ_ATTEMPTS = 8
 MAX_READ_BACKOFF_S = 0.002
 HANDSHAKE_TIMEOUT_S = 5.0
+# The largest answer a push socket gives (a PushSocketReply: a status at most).
+MAX_REPLY_BYTES = 1 << 20
 
 
 class HandshakeFailed(Exception):
@@ -62,7 +68,7 @@ class SharedConnection:
     with this process."""
 
     def __init__(self, stub, connection: int, secret: bytes, control: shm.Segment,
-                 server_id: str):
+                 server_id: str, push_socket: str = ""):
         self._stub = stub
         self._connection = connection
         self._secret = secret
@@ -74,6 +80,12 @@ class SharedConnection:
         self._free: list[PushSlot] = []
         self._slots = 0
         self._no_more_slots = False
+        # The push socket's path ("": none, or it refused us: PushShared goes over gRPC),
+        # its sockets not in use, and every socket open (for interrupt and close).
+        self._push_socket = str(shm.DIRECTORY / push_socket) if push_socket else ""
+        self._idle_sockets: list[socket.socket] = []
+        self._sockets: set[socket.socket] = set()
+        self._ended = False
 
     @classmethod
     def open(cls, stub, client_id: str, server_id: str) -> "SharedConnection | None":
@@ -102,7 +114,7 @@ class SharedConnection:
                      server_id, error)
             return None
         log.info("server %s: pulls and pushes go through shared memory", server_id)
-        return cls(stub, reply.connection, secret, control, server_id)
+        return cls(stub, reply.connection, secret, control, server_id, reply.push_socket)
 
     @property
     def alive(self) -> bool:
@@ -223,9 +235,95 @@ class SharedConnection:
         return pb.PushSharedRequest(connection=self._connection, secret=self._secret,
                                     slot=slot.slot, header=header)
 
+    def push(self, request: pb.PushSharedRequest, timeout_s: float) -> pb.PushSharedReply | None:
+        """PushShared through the server's push socket; None: make the call over gRPC (the
+        server has no socket for us). Raises RemoteError as the gRPC call would, and
+        UNAVAILABLE or DEADLINE_EXCEEDED when the socket failed before the answer came (the
+        push may or may not have been applied: retry it under the same sequence)."""
+        sock = self._take_socket(timeout_s)
+        if sock is None:
+            return None
+        try:
+            sock.settimeout(timeout_s)
+            write_frame(sock, request.SerializeToString())
+            frame = read_frame(sock, MAX_REPLY_BYTES)
+            if frame is None:
+                raise ConnectionError("the server closed the push socket")
+            answer = pb.PushSocketReply.FromString(frame)
+        except socket.timeout:
+            self._discard(sock)
+            raise RemoteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"no answer on the push socket within {timeout_s:g} s",
+                              target=self._server_id) from None
+        except (OSError, ValueError) as error:  # ValueError: not a PushSocketReply
+            self._discard(sock)
+            raise RemoteError(grpc.StatusCode.UNAVAILABLE, f"push socket: {error}",
+                              target=self._server_id) from None
+        if answer.refused:  # the server serves no more sockets: it read nothing of ours
+            self._discard(sock)
+            with self._lock:
+                self._push_socket = ""
+            log.info("server %s takes no more push sockets: pushes are announced over gRPC",
+                     self._server_id)
+            return None
+        with self._lock:
+            if self._ended:
+                self._discard(sock)
+            else:
+                self._idle_sockets.append(sock)
+        if answer.status:
+            raise RemoteError.from_status(status_pb2.Status.FromString(answer.status),
+                                          target=self._server_id)
+        return answer.reply
+
+    def _take_socket(self, timeout_s: float) -> socket.socket | None:
+        with self._lock:
+            if self._idle_sockets:
+                return self._idle_sockets.pop()
+            path = self._push_socket
+            if not path or self._ended:
+                return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+        except OSError as error:
+            # No socket to reach (the server stopped, or is gone): gRPC says which.
+            sock.close()
+            log.debug("server %s: push socket unreachable (%s)", self._server_id, error)
+            return None
+        with self._lock:
+            if self._ended:
+                sock.close()
+                return None
+            self._sockets.add(sock)
+        return sock
+
+    def _discard(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+        sock.close()
+
+    def interrupt(self) -> None:
+        """End every push socket call in flight (it raises UNAVAILABLE) and make no more."""
+        with self._lock:
+            self._ended = True
+            sockets = list(self._sockets)
+            self._idle_sockets.clear()
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         """End the connection at the server (best effort: it also ends when the server stops
         or the coordinator declares this client gone)."""
+        self.interrupt()
+        with self._lock:
+            sockets, self._sockets = list(self._sockets), set()
+        for sock in sockets:
+            sock.close()
         try:
             self._stub.CloseSharedMemory(pb.CloseSharedMemoryRequest(
                 connection=self._connection, secret=self._secret), timeout=2.0)

@@ -484,6 +484,7 @@ class OpenSharedMemoryReply(_message.Message):
     PROBE_FIELD_NUMBER: _builtins.int
     CONTROL_FIELD_NUMBER: _builtins.int
     CONNECTION_FIELD_NUMBER: _builtins.int
+    PUSH_SOCKET_FIELD_NUMBER: _builtins.int
     offered: _builtins.bool
     """False when this server offers no shared memory (--no-shm, no /dev/shm, not x86-64):
     the client uses gRPC.
@@ -496,6 +497,11 @@ class OpenSharedMemoryReply(_message.Message):
     control: _builtins.str
     """The server's control segment: its shard-map epoch and whether it is still serving."""
     connection: _builtins.int
+    push_socket: _builtins.str
+    """The server's push socket (a Unix socket beside the segments, mode 0600), or empty: the
+    client may send its PushShared calls through it, framed as PushSocketReply says, instead
+    of over gRPC. A gRPC call costs the server far more CPU than a push's header is worth.
+    """
     def __init__(
         self,
         *,
@@ -503,10 +509,11 @@ class OpenSharedMemoryReply(_message.Message):
         probe: _builtins.str = ...,
         control: _builtins.str = ...,
         connection: _builtins.int = ...,
+        push_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection", b"connection", "control", b"control", "offered", b"offered", "probe", b"probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection", b"connection", "control", b"control", "offered", b"offered", "probe", b"probe", "push_socket", b"push_socket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -659,6 +666,45 @@ class PushSharedReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushSharedReply: _TypeAlias = PushSharedReply  # noqa: Y015
+
+@_typing.final
+class PushSocketReply(_message.Message):
+    """The push socket's framing: each request is a PushSharedRequest and each answer a
+    PushSocketReply, each preceded by its length (4 bytes, little-endian). One call at a time
+    per socket, answered in order; a client that wants several in flight opens several.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLY_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    status: _builtins.bytes
+    """Otherwise the serialized google.rpc.Status the same call over gRPC would have ended with
+    (code, message and details such as StaleEpoch or RetryInfo).
+    """
+    refused: _builtins.bool
+    """The server serves no more push sockets: it sends this at once on a socket it accepted,
+    reads nothing from it and closes it. The client sends its calls over gRPC.
+    """
+    @_builtins.property
+    def reply(self) -> Global___PushSharedReply:
+        """The answer, when the call succeeded."""
+
+    def __init__(
+        self,
+        *,
+        reply: Global___PushSharedReply | None = ...,
+        status: _builtins.bytes = ...,
+        refused: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refused", b"refused", "reply", b"reply", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushSocketReply: _TypeAlias = PushSocketReply  # noqa: Y015
 
 @_typing.final
 class CloseSharedMemoryRequest(_message.Message):

@@ -194,7 +194,7 @@ def test_segments_are_owner_only_and_removed_when_the_cluster_stops(stub_of):
             RawConnection(stub_of(cluster, 0))  # a connection whose probe is still there
             made = own_segments() - before
             kinds = {name.rsplit(".", 1)[1] for name in made}
-            assert {"control", "values", "slot", "probe"} <= kinds, made
+            assert {"control", "values", "slot", "probe", "socket"} <= kinds, made
             for server in cluster.servers:
                 assert server.shared.control.name.startswith(own_prefix())
                 assert server.shared.control.name in made

@@ -303,7 +303,8 @@ class _ResponseLost:
 
 class LossyClient(PSClient):
     """Loses the response of every `every`-th push attempt (the push itself lands), on
-    every way a push goes out: a stream, one message, or a header for shared memory."""
+    every way a push goes out: a stream, one message, or a header for shared memory (over
+    gRPC or the push socket)."""
 
     def __init__(self, *args, every: int = 3, **kwargs):
         super().__init__(*args, **kwargs)
@@ -343,6 +344,20 @@ class LossyClient(PSClient):
                 return getattr(stub, name)
 
         return Stub()
+
+    def _shared_connection(self, shard_map, server_id):
+        connection = super()._shared_connection(shard_map, server_id)
+        if connection is not None and not getattr(connection, "lossy", False):
+            push, client = connection.push, self
+
+            def lossy_push(request, timeout_s):  # the push socket's way
+                reply = push(request, timeout_s)
+                if reply is not None and client._lose_this_one(reply):
+                    raise LostResponse()
+                return reply
+
+            connection.push, connection.lossy = lossy_push, True
+        return connection
 
 
 def checkpointed_counter(manifest_dir: Path) -> float:
