@@ -267,10 +267,11 @@ class SharedConnection:
                      self._server_id)
             return None
         with self._lock:
-            if self._ended:
-                self._discard(sock)
-            else:
+            keep = not self._ended
+            if keep:
                 self._idle_sockets.append(sock)
+        if not keep:  # interrupted or closed meanwhile
+            self._discard(sock)
         if answer.status:
             raise RemoteError.from_status(status_pb2.Status.FromString(answer.status),
                                           target=self._server_id)

@@ -290,3 +290,37 @@ def test_a_frame_longer_than_any_request_ends_the_socket(declared, raw_client):
     with PSClient(cluster.coordinator_address) as ps:
         ps.push({"w": np.ones(4, np.float32)})
     np.testing.assert_array_equal(grpc_pull(cluster, "w"), -np.ones(4, np.float32))
+
+
+def test_a_push_answered_just_as_its_connection_is_interrupted_returns_and_drops_its_socket():
+    """The answer arrives, then interrupt() marks the connection ended before the socket is
+    put back: the push returns its answer and the socket is closed (once, this deadlocked)."""
+    from ps_worker.shared_memory import SharedConnection
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection = SharedConnection(None, 1, b"", None, "ps-test")
+    connection._sockets.add(mine)
+    connection._idle_sockets.append(mine)
+
+    def serve():
+        read_frame(theirs, 1 << 20)
+        with connection._lock:  # interrupt() between the answer and its bookkeeping (its
+            connection._ended = True  # shutdown having come too late for this socket)
+        write_frame(theirs, ps_pb.PushSocketReply(
+            reply=ps_pb.PushSharedReply(reply=ps_pb.PushReply(duplicate=True)))
+            .SerializeToString())
+
+    answers: list = []
+    server = threading.Thread(target=serve, name="test-socket-server")
+    pusher = threading.Thread(target=lambda: answers.append(
+        connection.push(ps_pb.PushSharedRequest(), WAIT_S)), name="test-socket-push")
+    try:
+        server.start()
+        pusher.start()
+        pusher.join(WAIT_S)
+        server.join(WAIT_S)
+        assert not pusher.is_alive(), "the push never returned"
+    finally:
+        theirs.close()
+    assert len(answers) == 1 and answers[0].reply.duplicate
+    assert mine.fileno() == -1 and mine not in connection._sockets
