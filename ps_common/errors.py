@@ -76,6 +76,13 @@ class CheckpointFailed(PSError):
     code = "FAILED_PRECONDITION"
 
 
+class FailedPrecondition(PSError):
+    """The request is well formed but the server's state does not allow it now (e.g. a
+    stepped push from a client that has not joined the server's steps)."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class StaleEpoch(PSError):
     """The request used an outdated shard map: refresh it from the coordinator and retry."""
 

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from ps_common.consistency import SYNC, parse_mode
+
 OPTIMIZER_NAMES = ("sgd", "momentum", "adagrad", "adam")
 BUILTIN_MODELS = ("logreg", "mlp", "embedding_mlp")
 BUILTIN_DATA = ("digits", "synthetic", "synthetic_ctr")
@@ -22,7 +24,6 @@ BUILTIN_DATA = ("digits", "synthetic", "synthetic_ctr")
 # A worker that cannot load them reports it, and the coordinator fails the job.
 _MODEL_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _SYNTHETIC_N = re.compile(r"^synthetic(_ctr)?:\d+$")
-MODES = ("async",)
 # Defaults that depend on the model: a job that names the model but not these fields (in
 # flags, a job file or a mapping) gets these instead of the JobSpec defaults, which suit
 # the dense models on digits. The click-through model's: its held-out AUC levels off in
@@ -82,8 +83,11 @@ class JobSpec:
         need(self.optimizer in OPTIMIZER_NAMES, "optimizer", f"must be one of {OPTIMIZER_NAMES}")
         need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "lr",
              "must be a finite number > 0")
-        need(self.mode in MODES, "mode",
-             f"must be one of {MODES} (ssp and sync come with the consistency issue)")
+        need(_mode_kind(self.mode) is not None, "mode",
+             "must be async, ssp:K (K an integer >= 0) or sync")
+        need(not (self.model == "embedding_mlp" and _mode_kind(self.mode) == SYNC), "mode",
+             "cannot train embedding_mlp: sync averages whole variables, and embedding tables "
+             "are pushed by row; use async or ssp:K")
         need(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an integer >= 0")
         need(isinstance(self.tasks_per_epoch, int) and self.tasks_per_epoch >= 1,
              "tasks_per_epoch", "must be an integer >= 1")
@@ -120,6 +124,13 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str) -> "JobSpec":
         return cls.from_mapping(json.loads(text))
+
+
+def _mode_kind(mode: Any) -> str | None:
+    try:
+        return parse_mode(mode).kind if isinstance(mode, str) else None
+    except ValueError:
+        return None
 
 
 def _normalized(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -177,7 +188,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int)
     g.add_argument("--optimizer", help=f"one of {', '.join(OPTIMIZER_NAMES)} (default adam)")
     g.add_argument("--lr", type=float)
-    g.add_argument("--mode", help="consistency mode: async (default)")
+    g.add_argument("--mode", help="consistency mode: async (default: no bound), ssp:K (no "
+                   "worker more than K steps ahead of the slowest) or sync (one averaged "
+                   "gradient from every worker per step); see the README")
     g.add_argument("--seed", type=int)
     g.add_argument("--tasks-per-epoch", type=int)
 

@@ -107,7 +107,7 @@ class ParameterServer:
         self.streams = StreamLimiter(
             max_streams=config.max_streams, idle_timeout_s=config.stream_idle_timeout_s,
             name=f"ps-server-{config.server_id}" if config.server_id else "ps-server")
-        servicer = ParameterServerServicer(self.store, self.ledger, fence=self.fence,
+        self._servicer = servicer = ParameterServerServicer(self.store, self.ledger, fence=self.fence,
                                            chunk_bytes=config.chunk_bytes, streams=self.streams,
                                            checkpoint_memory_bytes=(
                                                default_checkpoint_memory()
@@ -249,6 +249,7 @@ class ParameterServer:
                     registered = reply.known
                     for client in reply.retired:
                         self.ledger.retire(client.client_id, client.incarnation)
+                        self._servicer.steps.leave(client.client_id, client.incarnation)
                         if self.shared is not None:
                             self.shared.close_client(client.client_id)
                     self.fence.advance_retired(generation, reply.retired_through)

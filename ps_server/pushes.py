@@ -8,14 +8,17 @@ pooled buffers, checks the gradients, and applies them under the ledger's exactl
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
+from ps_common.consistency import SYNC
 from ps_common.errors import InvalidArgument
 from ps_common.tensors import StreamAssembler, TensorMeta, view_bytes
 from ps_server.buffers import BufferPool
+from ps_server.consistency import Contribution, PushOutcome, StepGate
 from ps_server.ledger import PushLedger
 from ps_server.store import ShardStore
 
@@ -31,18 +34,23 @@ class PushHeader:
     metas: list[TensorMeta]
     # Per ref: the ids of an embedding table's rows the tensor is for; None: the whole shard.
     row_ids: list[np.ndarray | None] | None = None
+    # The step it belongs to, from a client that joined this server's steps (else None).
+    step: int | None = None
 
 
 class PushReceiver:
-    """Thread-safe (the store, ledger and pool are)."""
+    """Thread-safe (the store, ledger, pool and step gate are). `steps`: the server's
+    consistency steps (ps_server.consistency), which pushes with a step go through."""
 
     def __init__(self, store: ShardStore, ledger: PushLedger, buffers: BufferPool):
         self._store = store
         self._ledger = ledger
         self._buffers = buffers
+        self.steps = StepGate(self._apply_average)
 
-    def receive(self, header: PushHeader, first_data, more_data: Iterable) -> bool:
-        """Apply the push exactly once; returns True if it had been applied already.
+    def receive(self, header: PushHeader, first_data, more_data: Iterable) -> PushOutcome:
+        """Apply the push exactly once; the outcome says whether it had been applied
+        already (`duplicate`) and, for a push with a step, what the step gate said.
 
         `more_data` yields the data of the following chunks (it raises for a malformed
         stream); everything is validated before anything is applied.
@@ -51,7 +59,7 @@ class PushReceiver:
         if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
             for _ in more_data:  # drain: the sender is still streaming
                 pass
-            return True
+            return self._duplicate(header)
         targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
         buffers = [self._buffers.acquire(meta.nbytes) for meta in header.metas]
         try:
@@ -67,7 +75,7 @@ class PushReceiver:
             for buffer in buffers:
                 self._buffers.release(buffer)
 
-    def receive_whole(self, header: PushHeader, data: memoryview) -> bool:
+    def receive_whole(self, header: PushHeader, data: memoryview) -> PushOutcome:
         """The same for a push whose tensors all came in one message (`data`): read in place
         from it, no copy (the update copies each block it works on; see apply_update)."""
         total = sum(meta.nbytes for meta in header.metas)
@@ -76,14 +84,15 @@ class PushReceiver:
                                   f"header announces {total}")
         return self.receive_shared(header, data)
 
-    def receive_shared(self, header: PushHeader, data: memoryview, release=None) -> bool:
+    def receive_shared(self, header: PushHeader, data: memoryview,
+                       release=None) -> PushOutcome:
         """The same for a push whose tensors lie back to back at the start of `data` (a
         client's push slot in shared memory): read in place, no copy. `release` (a
         ps_common.shm.Releaser of the slot) is given each block once it has been read, so
         the slot never becomes resident in this process as a whole."""
         _check_identity(header)
         if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
-            return True
+            return self._duplicate(header)
         targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
         total = sum(meta.nbytes for meta in header.metas)
         if total > len(data):
@@ -99,9 +108,19 @@ class PushReceiver:
             if release is not None:
                 release.finish()
 
-    def _apply(self, header: PushHeader, targets, grads, after_block=None) -> bool:
+    def _apply(self, header: PushHeader, targets, grads, after_block=None) -> PushOutcome:
+        if header.step is not None:
+            self.steps.check_member(header.client_id, header.incarnation)
         self._store.check_gradients(targets, grads, after_block)
         rows = self._store.sum_rows(targets, grads, header.row_ids)
+        if header.step is not None and self.steps.kind_of(header.client_id) == SYNC:
+            if any(r is not None for r in rows or ()):
+                raise InvalidArgument(
+                    "a row push (push_rows) in the sync mode: sync combines whole-variable "
+                    "gradients only; train embedding tables in async or ssp:K")
+            return self.steps.contribute(
+                Contribution(header.client_id, header.incarnation, header.sequence,
+                             header.acked_through), header.step, targets, grads)
         # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
         # checkpoint with its ledger entry, or not at all.
         with self._store.gate.shared(), self._ledger.exactly_once(
@@ -109,7 +128,29 @@ class PushReceiver:
                 header.acked_through) as duplicate:
             if not duplicate:
                 self._store.apply(targets, grads, after_block, rows)
-        return duplicate
+        return self._stepped(header, duplicate)
+
+    def _duplicate(self, header: PushHeader) -> PushOutcome:
+        if header.step is not None and self.steps.kind_of(header.client_id) == SYNC:
+            return PushOutcome(next_step=self.steps.current_step(), duplicate=True)
+        return self._stepped(header, True)
+
+    def _stepped(self, header: PushHeader, duplicate: bool) -> PushOutcome:
+        """After an applied (or duplicate) push: the ssp bound's wait, for a push with a step."""
+        if header.step is None:
+            return PushOutcome(next_step=0, duplicate=duplicate)
+        outcome = self.steps.finish_step(header.client_id, header.incarnation, header.step)
+        outcome.duplicate = duplicate
+        return outcome
+
+    def _apply_average(self, contributions: list[Contribution], targets, grads) -> None:
+        """One sync step: the averaged gradients applied, and every contribution recorded
+        in the ledger with them (in client order: the ledger's locks are per client)."""
+        with self._store.gate.shared(), contextlib.ExitStack() as ledger:
+            for c in sorted(contributions, key=lambda c: c.client_id):
+                ledger.enter_context(self._ledger.exactly_once(
+                    c.client_id, c.incarnation, c.sequence, c.acked_through))
+            self._store.apply(targets, grads)
 
 
 def _check_identity(header: PushHeader) -> None:

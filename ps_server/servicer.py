@@ -10,6 +10,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from ps_common.errors import CheckpointFailed, InvalidArgument, Overloaded
+from ps_common.consistency import parse_mode
 from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_common.status import translate_errors
 from ps_common.tensors import (
@@ -23,6 +24,7 @@ from ps_server.buffers import BufferPool, ByteBudget
 from ps_server.control import CoordinatorFence
 from ps_server.ledger import PushLedger
 from ps_server import snapshots
+from ps_server.consistency import PushOutcome
 from ps_server.pushes import PushHeader, PushReceiver
 from ps_server.restore import ShardRestore
 from ps_server.shared_memory import SharedMemory
@@ -95,8 +97,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if first is None or first.header is None:
                 raise InvalidArgument("a push stream must start with a chunk carrying its header")
             header = _push_header(_parse_header(first.header))
-            duplicate = self._pushes.receive(header, first.data, map(_data_only, chunks))
-            return pb.PushReply(duplicate=duplicate)
+            return _push_reply(self._pushes.receive(header, first.data,
+                                                    map(_data_only, chunks)))
 
     # Unary calls hold a handler thread only while the server works on them (never while
     # waiting on the peer), so they need no stream slot and no idle watchdog.
@@ -137,7 +139,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if chunk.header is None:
                 raise InvalidArgument("a push must carry its header")
             header = _push_header(_parse_header(chunk.header))
-            return pb.PushReply(duplicate=self._pushes.receive_whole(header, chunk.data))
+            return _push_reply(self._pushes.receive_whole(header, chunk.data))
 
     # ---- shared memory (ps_server.shared_memory) ---------------------------------------
 
@@ -188,9 +190,33 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         segment = self._shared.slot(connection, request.slot)
         if segment is None:
             return pb.PushSharedReply(connection_lost=True)
-        duplicate = self._pushes.receive_shared(_push_header(request.header), segment.data,
-                                                self._shared.releaser(segment))
-        return pb.PushSharedReply(reply=pb.PushReply(duplicate=duplicate))
+        outcome = self._pushes.receive_shared(_push_header(request.header), segment.data,
+                                              self._shared.releaser(segment))
+        return pb.PushSharedReply(reply=_push_reply(outcome))
+
+    # ---- consistency modes (ps_server.consistency) ---------------------------------------
+
+    def JoinSteps(self, request: pb.JoinStepsRequest, context):
+        with translate_errors(context, "JoinSteps"):
+            if not request.client_id:
+                raise InvalidArgument("JoinSteps needs a client_id")
+            try:
+                mode = parse_mode(request.mode, what="JoinSteps mode")
+            except ValueError as error:
+                raise InvalidArgument(str(error)) from None
+            step = self._pushes.steps.join(request.client_id, request.incarnation, mode,
+                                           max(request.replicas, 1))
+            return pb.JoinStepsReply(step=step)
+
+    def LeaveSteps(self, request: pb.LeaveStepsRequest, context):
+        with translate_errors(context, "LeaveSteps"):
+            self._pushes.steps.leave(request.client_id, request.incarnation)
+            return pb.LeaveStepsReply()
+
+    @property
+    def steps(self):
+        """The server's consistency steps (for the app: clients the coordinator retires)."""
+        return self._pushes.steps
 
     def CloseSharedMemory(self, request: pb.CloseSharedMemoryRequest, context):
         with translate_errors(context, "CloseSharedMemory"):
@@ -361,7 +387,8 @@ def _push_header(h: pb.PushHeader) -> PushHeader:
         refs=[(r.variable, r.index) for r in h.shards],
         metas=[TensorMeta.from_proto(t, what=f"push tensor {i}")
                for i, t in enumerate(h.tensors)],
-        row_ids=row_ids_of(h.shards))
+        row_ids=row_ids_of(h.shards),
+        step=h.step if h.HasField("step") else None)
 
 
 def row_ids_of(refs) -> list[np.ndarray | None] | None:
@@ -378,6 +405,12 @@ def row_ids_of(refs) -> list[np.ndarray | None] | None:
         else:
             ids.append(np.frombuffer(r.row_ids, "<i8"))
     return ids
+
+
+def _push_reply(outcome: PushOutcome) -> pb.PushReply:
+    return pb.PushReply(duplicate=outcome.duplicate, next_step=outcome.next_step,
+                        waited_s=outcome.waited_s, staleness=outcome.staleness,
+                        stale_dropped=outcome.stale_dropped)
 
 
 def _data_only(chunk: Chunk):
@@ -428,7 +461,9 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
                 ("OpenSharedMemory", pb.OpenSharedMemoryRequest, pb.OpenSharedMemoryReply),
                 ("AttachShards", pb.AttachShardsRequest, pb.AttachShardsReply),
                 ("PushShared", pb.PushSharedRequest, pb.PushSharedReply),
-                ("CloseSharedMemory", pb.CloseSharedMemoryRequest, pb.CloseSharedMemoryReply))},
+                ("CloseSharedMemory", pb.CloseSharedMemoryRequest, pb.CloseSharedMemoryReply),
+                ("JoinSteps", pb.JoinStepsRequest, pb.JoinStepsReply),
+                ("LeaveSteps", pb.LeaveStepsRequest, pb.LeaveStepsReply))},
         "AssignShards": grpc.unary_unary_rpc_method_handler(
             servicer.AssignShards, request_deserializer=pb.AssignShardsRequest.FromString,
             response_serializer=pb.AssignShardsReply.SerializeToString),

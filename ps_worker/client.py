@@ -28,6 +28,7 @@ from typing import Iterable, Mapping
 import grpc
 import numpy as np
 
+from ps_common.consistency import SYNC, Mode, parse_mode
 from ps_common.errors import InvalidArgument
 from ps_common.rows import check_ids, dedup, sum_duplicates
 from ps_common.rpc import (
@@ -94,7 +95,9 @@ class _DataPath:
                 ("AttachShards", ps_pb.AttachShardsRequest, ps_pb.AttachShardsReply),
                 ("PushShared", ps_pb.PushSharedRequest, ps_pb.PushSharedReply),
                 ("CloseSharedMemory", ps_pb.CloseSharedMemoryRequest,
-                 ps_pb.CloseSharedMemoryReply)):
+                 ps_pb.CloseSharedMemoryReply),
+                ("JoinSteps", ps_pb.JoinStepsRequest, ps_pb.JoinStepsReply),
+                ("LeaveSteps", ps_pb.LeaveStepsRequest, ps_pb.LeaveStepsReply)):
             setattr(self, name, channel.unary_unary(
                 method + name, request_serializer=request.SerializeToString,
                 response_deserializer=reply.FromString))
@@ -102,6 +105,16 @@ class _DataPath:
 
 def _identity(raw: bytes) -> bytes:
     return raw
+
+
+@dataclass
+class StepStats:
+    """What the servers said about this client's steps (join_steps): seconds its pushes
+    waited for other clients, the largest gap in steps between it and the slowest client
+    that a server let through, and its gradients dropped for coming too late (sync)."""
+    wait_s: float = 0.0
+    staleness_max: int = 0
+    dropped_stale: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,12 @@ class PSClient:
         self._wire_calls: set = set()  # data-path calls in progress (interrupt cancels them)
         self._unreachable: set[str] = set()  # servers whose outage has been logged
         self._use_shared_memory = shared_memory
+        # Consistency steps (join_steps): the mode, and per server the step this client
+        # computes next there; what the servers' answers said, for ps-ctl and the worker.
+        self._mode: Mode | None = None
+        self._replicas = 1
+        self._steps: dict[str, int] = {}
+        self.step_stats = StepStats()
         # Address -> shared-memory connection, or None: that server's calls go over gRPC.
         self._shared: dict[str, SharedConnection | None] = {}
         # Address -> the path its calls took last ("shm" or "grpc"); kept after close().
@@ -664,6 +683,11 @@ class PSClient:
         all-or-nothing, as `push` does (see there for errors and partial failure).
         Raises RemoteError as `pull_rows` and `push` do."""
         ids = self._row_ids(name, ids)
+        with self._lock:
+            if self._mode is not None and self._mode.kind == SYNC:
+                raise _local_error(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"push_rows({name!r}) in the sync mode: sync averages whole "
+                                   "variables only; train embedding tables in async or ssp:K")
         shard_map = self._map_with([name])
         spec = self._table(shard_map, name, ids)
         grads = np.asarray(grads)
@@ -807,9 +831,9 @@ class PSClient:
         the server's status after retries are exhausted.
         """
         shard_map = self._map_with(list(grads))
-        self._send(shard_map, self._split(shard_map, grads, wire_dtype))
+        self._send(shard_map, self._split(shard_map, grads, wire_dtype), stepped=True)
 
-    def _send(self, shard_map: ShardMap, pieces: list[_Piece]) -> None:
+    def _send(self, shard_map: ShardMap, pieces: list[_Piece], stepped: bool = False) -> None:
         """Push `pieces`, one call per server in parallel (see `push`)."""
         # One sequence per (server, exact set of shards), kept across map refreshes: a part
         # whose response was lost and that is then refused as stale goes out again under the
@@ -837,7 +861,8 @@ class PSClient:
 
                 def push_one(server_id: str, group: list[_Piece], shard_map=shard_map):
                     try:
-                        self._push_to(shard_map, server_id, group, *sequence_for(server_id, group))
+                        self._push_to(shard_map, server_id, group,
+                                      *sequence_for(server_id, group), stepped=stepped)
                     except RemoteError as error:
                         if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
                             raise
@@ -884,6 +909,96 @@ class PSClient:
 
         future.add_done_callback(done)
         return future
+
+    # ---- consistency modes (ps_common.consistency) --------------------------------------
+
+    def join_steps(self, mode: str, *, replicas: int = 1) -> None:
+        """Take part in the servers' steps in `mode` ("ssp:K" or "sync"; "async" leaves
+        them) from now on. Every `push` is then one step: it carries this client's step to
+        each server and returns only when the mode allows the next one: in ssp:K once no
+        live client is more than K steps behind, in sync once the step's gradients from
+        every client that joined have been averaged and applied (a pull after it sees
+        them). In sync, the first step also waits until `replicas` clients have joined;
+        a step never waits for a client that left or that the coordinator declared dead.
+        Join before the first pull whose values a step uses. `push_rows` in sync is
+        refused (sync averages whole variables); in ssp:K it carries no step.
+        Raises ValueError for a bad mode, RemoteError FAILED_PRECONDITION when other
+        clients take part in another mode."""
+        parsed = parse_mode(mode, what="join_steps mode")
+        if not parsed.stepped:
+            self.leave_steps()
+            return
+        if replicas < 1:
+            raise ValueError(f"join_steps replicas {replicas}: must be >= 1")
+        self.leave_steps()
+        with self._lock:
+            self._mode, self._replicas = parsed, replicas
+        shard_map = self.shard_map
+        self._run_groups({server_id: None for server_id in shard_map.servers},
+                         lambda server_id, _: self._step_at(shard_map, server_id))
+
+    def leave_steps(self) -> None:
+        """Take part in no steps any more (pushes no longer wait for other clients, and no
+        server waits for this one). Waits for pushes in flight first."""
+        with self._lock:
+            joined, mode = dict(self._steps), self._mode
+            self._mode, self._steps = None, {}
+        if mode is None:
+            return
+        try:
+            self.flush()  # its pushes carry steps: they land before this client leaves
+        finally:
+            self._leave(joined)
+
+    def _leave(self, joined: dict[str, int]) -> None:
+        shard_map = self.shard_map
+        request = ps_pb.LeaveStepsRequest(client_id=self.client_id,
+                                          incarnation=self.incarnation)
+        for server_id in joined:
+            address = shard_map.servers.get(server_id)
+            if address is None:
+                continue
+            try:
+                self._call_server(lambda: self._unary(self._stub(address).LeaveSteps, request,
+                                                      self._timeout_s, server_id),
+                                  shard_map, server_id, self._retry)
+            except RemoteError as error:  # it forgets us when it restarts or we retire
+                log.info("leaving the steps of server %s: %s", server_id, error)
+
+    @property
+    def mode(self) -> str:
+        """The consistency mode this client takes part in ("async" when none)."""
+        with self._lock:
+            return "async" if self._mode is None else str(self._mode)
+
+    def _step_at(self, shard_map: ShardMap, server_id: str) -> int | None:
+        """The step this client computes next at `server_id`, joining it first if need be
+        (None: this client takes part in no steps)."""
+        with self._lock:
+            mode, replicas = self._mode, self._replicas
+            if mode is None:
+                return None
+            if server_id in self._steps:
+                return self._steps[server_id]
+        address = shard_map.servers[server_id]
+        request = ps_pb.JoinStepsRequest(client_id=self.client_id, incarnation=self.incarnation,
+                                         mode=str(mode), replicas=replicas)
+        reply = self._call_server(
+            lambda: self._unary(self._stub(address).JoinSteps, request, self._timeout_s,
+                                server_id), shard_map, server_id, self._retry)
+        with self._lock:
+            if self._mode is not mode:  # left (or joined anew) meanwhile
+                return None
+            return self._steps.setdefault(server_id, reply.step)
+
+    def _stepped(self, server_id: str, reply: ps_pb.PushReply) -> None:
+        with self._lock:
+            if self._mode is not None:
+                self._steps[server_id] = max(self._steps.get(server_id, 0), reply.next_step)
+            stats = self.step_stats
+            stats.wait_s += reply.waited_s
+            stats.staleness_max = max(stats.staleness_max, reply.staleness)
+            stats.dropped_stale += int(reply.stale_dropped)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every push_async issued so far; raise the first error among them."""
@@ -962,10 +1077,25 @@ class PSClient:
                            f"variable {piece.shard.variable!r} was re-sharded during a push")
 
     def _push_to(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
-                 sequence: int, first_send: bool) -> None:
+                 sequence: int, first_send: bool, stepped: bool = False) -> None:
         """Push `pieces` to one server under `sequence`. `first_send`: this sequence has
         never gone out before (not even in an attempt whose answer was lost), so a
-        'duplicate' answer means another client shares this identity: an error."""
+        'duplicate' answer means another client shares this identity: an error.
+        `stepped`: a push of a client that joined steps carries its step there, and waits
+        as the mode says (a server that no longer knows it is joined again, once)."""
+        step = self._step_at(shard_map, server_id) if stepped else None
+        try:
+            self._push_once(shard_map, server_id, pieces, sequence, first_send, step)
+        except RemoteError as error:
+            if step is None or error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            with self._lock:
+                self._steps.pop(server_id, None)
+            step = self._step_at(shard_map, server_id)  # the server restarted, say
+            self._push_once(shard_map, server_id, pieces, sequence, first_send, step)
+
+    def _push_once(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
+                   sequence: int, first_send: bool, step: int | None) -> None:
         address = shard_map.servers[server_id]
         stub = self._stub(address)
         sizes = [p.grad.nbytes for p in pieces]
@@ -980,6 +1110,7 @@ class PSClient:
                 acked_through=self._acked(server_id), epoch=shard_map.epoch,
                 shards=[p.ref() for p in pieces],
                 tensors=[TensorMeta(p.wire_dtype, p.grad.shape).to_proto() for p in pieces],
+                step=step,
             )
 
         def attempt():
@@ -1011,6 +1142,8 @@ class PSClient:
                 f"incarnation {incarnation} was applied already, before this client sent it: "
                 "another client uses the same client_id and incarnation; this push was not "
                 "applied (let the coordinator hand out incarnations)")
+        if step is not None:
+            self._stepped(server_id, reply)
 
     def _push_shared(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
                      header, attempts: list[int]) -> ps_pb.PushReply | None:

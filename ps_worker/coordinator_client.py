@@ -108,10 +108,12 @@ class CoordinatorClient:
         job = JobSpec.from_json(reply.job_json) if reply.job_json else None
         return Registration(reply.incarnation, job, reply.heartbeat_interval_ms / 1000.0)
 
-    def heartbeat(self, worker_id: str, incarnation: int, data_path: str = "") -> str:
-        """'continue' | 'reregister' | 'stop'."""
+    def heartbeat(self, worker_id: str, incarnation: int, data_path: str = "",
+                  step_stats=None) -> str:
+        """'continue' | 'reregister' | 'stop'. `step_stats`: the PSClient's StepStats."""
         reply = self._call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
-            worker_id=worker_id, incarnation=incarnation, data_path=data_path))
+            worker_id=worker_id, incarnation=incarnation, data_path=data_path,
+            step_report=_step_report(step_stats)))
         return _ACTIONS.get(reply.action, "continue")
 
     def lease(self, worker_id: str, incarnation: int):
@@ -131,7 +133,7 @@ class CoordinatorClient:
 
     def complete(self, worker_id: str, incarnation: int, task_id: int, *, loss_sum: float,
                  examples: int, correct: int, steps: int, seconds: float,
-                 data_path: str = "", auc: float | None = None) -> bool:
+                 data_path: str = "", auc: float | None = None, step_stats=None) -> bool:
         """Report a task done; True if it had been reported already. Raises LeaseRevoked when
         this incarnation no longer holds the task. `auc`: an evaluation's held-out AUC, or
         None when it has none."""
@@ -140,7 +142,7 @@ class CoordinatorClient:
                 worker_id=worker_id, incarnation=incarnation, task_id=task_id,
                 metrics=pb.TaskMetrics(loss_sum=loss_sum, examples=examples, correct=correct,
                                        steps=steps, seconds=seconds, auc=auc),
-                data_path=data_path))
+                data_path=data_path, step_report=_step_report(step_stats)))
         except RemoteError as error:
             if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 raise LeaseRevoked(error.details()) from None
@@ -163,6 +165,9 @@ class CoordinatorClient:
                 "tasks_done": job.tasks_done, "tasks_total": job.tasks_total,
                 "steps": job.steps, "elapsed_s": round(job.elapsed_s, 3),
                 "failure": job.failure,
+                "mode": job.mode,
+                "staleness": {"max": job.staleness_max},
+                "dropped_stale_gradients": job.dropped_stale_gradients,
                 "spec": JobSpec.from_json(job.job_json).__dict__ if job.job_json else None,
                 "metrics": [
                     {"epoch": m.epoch, "loss": _number(m.loss), "accuracy": _number(m.accuracy),
@@ -178,7 +183,8 @@ class CoordinatorClient:
                  "heartbeat_age_s": round(w.heartbeat_age_s, 3), "reason": w.reason,
                  "died_at_s": round(w.died_at_s, 3) if w.state == "dead" else None,
                  "tasks_done": w.tasks_done, "steps": w.steps,
-                 "leased_tasks": list(w.leased_tasks), "data_path": w.data_path}
+                 "leased_tasks": list(w.leased_tasks), "data_path": w.data_path,
+                 "wait_s": round(w.wait_s, 3)}
                 for w in s.workers
             ],
             "servers": [
@@ -212,3 +218,10 @@ class CoordinatorClient:
 def _checkpoint(info) -> dict:
     return {"id": info.id, "step": info.step, "path": info.path,
             "created_unix_s": round(info.created_unix_s, 3), "bytes": info.bytes}
+
+
+def _step_report(stats) -> pb.StepReport | None:
+    if stats is None:
+        return None
+    return pb.StepReport(wait_s=stats.wait_s, staleness_max=stats.staleness_max,
+                         dropped_stale=stats.dropped_stale)

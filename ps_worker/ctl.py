@@ -35,6 +35,11 @@ def render(status: dict) -> str:
              f"elapsed {job['elapsed_s']:.1f} s  shard map epoch {status['shard_map_epoch']}"]
     if job.get("failure"):
         lines.append(f"  failure: {job['failure']}")
+    stepped = job.get("mode") not in (None, "", "async")
+    if job.get("mode"):
+        lines.append(f"  mode {job['mode']}" + (
+            f"  largest gap let through {job['staleness']['max']} step(s)  "
+            f"stale gradients dropped {job['dropped_stale_gradients']}" if stepped else ""))
     if job["metrics"]:
         # Held-out AUC only for models that give scores (chance: 0.5).
         with_auc = any(m.get("test_auc") is not None for m in job["metrics"])
@@ -52,7 +57,8 @@ def render(status: dict) -> str:
         extra = f"  {w['reason']}" if w["reason"] else ""
         lines.append(f"  {w['id']:<24} {w['state']:<6} incarnation {w['incarnation']:<3} "
                      f"heartbeat {w['heartbeat_age_s']:.1f} s ago  tasks {w['tasks_done']}  "
-                     f"steps {w['steps']}  data path {w.get('data_path') or '-'}{extra}")
+                     f"steps {w['steps']}  data path {w.get('data_path') or '-'}"
+                     + (f"  waited {w.get('wait_s', 0.0):.2f} s" if stepped else "") + extra)
     lines.append(f"servers ({len(status['servers'])}):")
     for s in status["servers"]:
         lines.append(f"  {s['id']:<12} {s['address']:<22} {s['state']:<6} "

@@ -13,6 +13,7 @@ asynchronously.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ps_common.consistency import parse_mode
 from ps_common.job import JobSpec
 from ps_common.rows import dedup
 from ps_common.rpc import RetryPolicy
@@ -219,7 +221,27 @@ class Trainer:
                                tasks_per_epoch=task.tasks_per_epoch, seed=self.job.seed)
         batches = list(iter_batches(self.dataset, indices, self.job.batch_size))
         result = TaskResult()
+        stepped = parse_mode(self.job.mode).stepped
+        if stepped:
+            # ssp:K and sync: this worker's pushes wait for the others while it trains this
+            # task; it leaves the steps once the task is over, so that nobody waits for a
+            # worker that is between tasks.
+            ps.join_steps(self.job.mode)
+        try:
+            return self._train(ps, batches, result, started, stepped, should_stop)
+        finally:
+            if stepped:
+                try:
+                    ps.leave_steps()
+                except RemoteError as error:  # a push's own error was raised by _train
+                    log.info("leaving the steps after a task: %s", error)
+
+    def _train(self, ps: PSClient, batches, result: "TaskResult", started: float,
+               stepped: bool, should_stop) -> "TaskResult":
         # Two host buffer sets: step i reads one while the pull for step i + 1 fills the other.
+        # In ssp:K and sync the next pull waits for this step's push instead: the push
+        # returns when the mode lets the next step start, and its values must be the ones
+        # that step is allowed to see.
         upcoming = ps.pull_async(self.names, out=self._buffers(0))
         upcoming_rows = self._pull_rows_async(ps, batches[0], 0) if batches else _NO_ROWS
         for step, (x, y) in enumerate(batches):
@@ -230,7 +252,7 @@ class Trainer:
             host = upcoming.result()
             pulled = upcoming_rows
             rows, inverse = self._rows_on_device(pulled)
-            if step + 1 < len(batches):
+            if step + 1 < len(batches) and not stepped:
                 upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
                 upcoming_rows = self._pull_rows_async(ps, batches[step + 1], (step + 1) % 2)
             params = {**self._on_device(host), **rows}
@@ -247,6 +269,14 @@ class Trainer:
             pushes += [ps.push_rows_async(name, pulled.ids[name], host_grads[name])
                        for name in self.tables]
             self._track_slot(step, pushes)
+            if stepped:
+                futures_wait(pushes)
+                for push in pushes:
+                    push.result()  # raises what the push raised
+                if step + 1 < len(batches):
+                    upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
+                    upcoming_rows = self._pull_rows_async(ps, batches[step + 1],
+                                                          (step + 1) % 2)
             result.loss_sum += float(loss) * len(y)
             result.examples += len(y)
             result.steps += 1
@@ -481,7 +511,8 @@ class Worker:
                         self.worker_id, self._incarnation, task.task_id,
                         loss_sum=result.loss_sum, examples=result.examples,
                         correct=result.correct, steps=result.steps, seconds=result.seconds,
-                        data_path=self._data_path(), auc=result.auc)
+                        data_path=self._data_path(), auc=result.auc,
+                        step_stats=self._step_stats())
                 except LeaseRevoked as revoked:
                     log.warning("task %d was taken back: %s", task.task_id, revoked)
                     raise Fenced() from None
@@ -490,6 +521,14 @@ class Worker:
                          result.loss_sum / max(1, result.examples),
                          "" if result.auc is None else f", auc {result.auc:.4f}",
                          result.seconds)
+
+    def _step_stats(self):
+        """The client's StepStats (None before it exists, or in the async mode)."""
+        with self._client_lock:
+            ps = self._client
+        if ps is None or ps.mode == "async" and not ps.step_stats.wait_s:
+            return None
+        return dataclasses.replace(ps.step_stats)
 
     def _data_path(self) -> str:
         """How this worker's pulls and pushes travel (for ps-ctl status): "shm", "grpc",
@@ -506,7 +545,7 @@ class Worker:
         while not self._stop.wait(interval_s):
             try:
                 action = self._coordinator.heartbeat(self.worker_id, self._incarnation,
-                                                     self._data_path())
+                                                     self._data_path(), self._step_stats())
             except CoordinatorUnreachable as error:
                 log.error("%s", error)
                 self.lost_coordinator = error

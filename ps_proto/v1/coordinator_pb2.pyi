@@ -509,26 +509,62 @@ class WorkerHeartbeatRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     DATA_PATH_FIELD_NUMBER: _builtins.int
+    STEP_REPORT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
     data_path: _builtins.str
     """How this worker's pulls and pushes travel: "shm" (shared memory with every server it
     used), "grpc", "shm+grpc" (some of each), or "" before its first pull.
     """
+    @_builtins.property
+    def step_report(self) -> Global___StepReport:
+        """What the servers said about this incarnation's steps so far (ssp:K and sync)."""
+
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
         data_path: _builtins.str = ...,
+        step_report: Global___StepReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step_report", b"step_report"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "incarnation", b"incarnation", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "incarnation", b"incarnation", "step_report", b"step_report", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerHeartbeatRequest: _TypeAlias = WorkerHeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class StepReport(_message.Message):
+    """Cumulative over a worker incarnation: seconds its pushes waited for other workers, the
+    largest gap in steps between it and the slowest live worker that a server let through,
+    and its gradients dropped for coming after their step was applied (sync).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAIT_S_FIELD_NUMBER: _builtins.int
+    STALENESS_MAX_FIELD_NUMBER: _builtins.int
+    DROPPED_STALE_FIELD_NUMBER: _builtins.int
+    wait_s: _builtins.float
+    staleness_max: _builtins.int
+    dropped_stale: _builtins.int
+    def __init__(
+        self,
+        *,
+        wait_s: _builtins.float = ...,
+        staleness_max: _builtins.int = ...,
+        dropped_stale: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale", b"dropped_stale", "staleness_max", b"staleness_max", "wait_s", b"wait_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepReport: _TypeAlias = StepReport  # noqa: Y015
 
 @_typing.final
 class WorkerHeartbeatReply(_message.Message):
@@ -684,13 +720,16 @@ class CompleteTaskRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     DATA_PATH_FIELD_NUMBER: _builtins.int
+    STEP_REPORT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
     task_id: _builtins.int
     data_path: _builtins.str
-    """As in WorkerHeartbeatRequest: a job shorter than a heartbeat still shows it."""
+    """As in WorkerHeartbeatRequest: a job shorter than a heartbeat still shows them."""
     @_builtins.property
     def metrics(self) -> Global___TaskMetrics: ...
+    @_builtins.property
+    def step_report(self) -> Global___StepReport: ...
     def __init__(
         self,
         *,
@@ -699,10 +738,11 @@ class CompleteTaskRequest(_message.Message):
         task_id: _builtins.int = ...,
         metrics: Global___TaskMetrics | None = ...,
         data_path: _builtins.str = ...,
+        step_report: Global___StepReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "step_report", b"step_report"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "incarnation", b"incarnation", "metrics", b"metrics", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "incarnation", b"incarnation", "metrics", b"metrics", "step_report", b"step_report", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -803,6 +843,9 @@ class JobStatus(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     JOB_JSON_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    STALENESS_MAX_FIELD_NUMBER: _builtins.int
+    DROPPED_STALE_GRADIENTS_FIELD_NUMBER: _builtins.int
     state: _builtins.str
     """"none", "running", "done" or "failed"."""
     epoch: _builtins.int
@@ -814,6 +857,13 @@ class JobStatus(_message.Message):
     job_json: _builtins.str
     failure: _builtins.str
     """Why the job failed, when state is "failed"."""
+    mode: _builtins.str
+    """The consistency mode as the job gives it ("async", "ssp:K", "sync"); the largest gap in
+    steps between a worker and the slowest live worker that any server let through, over
+    the whole job; and the gradients dropped for coming after their step (sync).
+    """
+    staleness_max: _builtins.int
+    dropped_stale_gradients: _builtins.int
     @_builtins.property
     def metrics(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochMetrics]: ...
     def __init__(
@@ -829,10 +879,13 @@ class JobStatus(_message.Message):
         metrics: _abc.Iterable[Global___EpochMetrics] | None = ...,
         job_json: _builtins.str = ...,
         failure: _builtins.str = ...,
+        mode: _builtins.str = ...,
+        staleness_max: _builtins.int = ...,
+        dropped_stale_gradients: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "epoch", b"epoch", "epochs", b"epochs", "failure", b"failure", "job_json", b"job_json", "metrics", b"metrics", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "tasks_total", b"tasks_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale_gradients", b"dropped_stale_gradients", "elapsed_s", b"elapsed_s", "epoch", b"epoch", "epochs", b"epochs", "failure", b"failure", "job_json", b"job_json", "metrics", b"metrics", "mode", b"mode", "staleness_max", b"staleness_max", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "tasks_total", b"tasks_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -852,6 +905,7 @@ class WorkerStatus(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     LEASED_TASKS_FIELD_NUMBER: _builtins.int
     DATA_PATH_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
     state: _builtins.str
@@ -863,6 +917,8 @@ class WorkerStatus(_message.Message):
     steps: _builtins.int
     data_path: _builtins.str
     """As the worker last reported it (WorkerHeartbeatRequest.data_path)."""
+    wait_s: _builtins.float
+    """Seconds its current incarnation's pushes waited for other workers (ssp:K, sync)."""
     @_builtins.property
     def leased_tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -878,10 +934,11 @@ class WorkerStatus(_message.Message):
         steps: _builtins.int = ...,
         leased_tasks: _abc.Iterable[_builtins.int] | None = ...,
         data_path: _builtins.str = ...,
+        wait_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "died_at_s", b"died_at_s", "heartbeat_age_s", b"heartbeat_age_s", "incarnation", b"incarnation", "leased_tasks", b"leased_tasks", "reason", b"reason", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_path", b"data_path", "died_at_s", b"died_at_s", "heartbeat_age_s", b"heartbeat_age_s", "incarnation", b"incarnation", "leased_tasks", b"leased_tasks", "reason", b"reason", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "wait_s", b"wait_s", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

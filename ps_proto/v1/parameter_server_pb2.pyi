@@ -162,6 +162,7 @@ class PushHeader(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     """(client_id, incarnation, sequence) identifies the push: the server applies each at
     most once, so clients retry freely. Sequences count per (client, server) from 1.
@@ -173,6 +174,11 @@ class PushHeader(_message.Message):
     which lets the server forget it: dedup state stays bounded by the client's window.
     """
     epoch: _builtins.int
+    step: _builtins.int
+    """Set by a client that joined this server's steps (JoinSteps): the step this push's
+    gradients were computed at. The push then waits as the mode says (ssp:K: until the
+    client may start its next step; sync: until the step's averaged gradient is applied).
+    """
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]: ...
     @_builtins.property
@@ -187,12 +193,15 @@ class PushHeader(_message.Message):
         epoch: _builtins.int = ...,
         shards: _abc.Iterable[Global___ShardRef] | None = ...,
         tensors: _abc.Iterable[_tensor_pb2.TensorMeta] | None = ...,
+        step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_through", b"acked_through", "client_id", b"client_id", "epoch", b"epoch", "incarnation", b"incarnation", "sequence", b"sequence", "shards", b"shards", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "acked_through", b"acked_through", "client_id", b"client_id", "epoch", b"epoch", "incarnation", b"incarnation", "sequence", b"sequence", "shards", b"shards", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
+    _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
 
 Global___PushHeader: _TypeAlias = PushHeader  # noqa: Y015
 
@@ -201,16 +210,33 @@ class PushReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DUPLICATE_FIELD_NUMBER: _builtins.int
+    NEXT_STEP_FIELD_NUMBER: _builtins.int
+    WAITED_S_FIELD_NUMBER: _builtins.int
+    STALENESS_FIELD_NUMBER: _builtins.int
+    STALE_DROPPED_FIELD_NUMBER: _builtins.int
     duplicate: _builtins.bool
     """True when this (client, incarnation, sequence) had already been applied."""
+    next_step: _builtins.int
+    """For a push with a step: the step the client computes next on this server, the seconds
+    the push waited for other clients, the gap in steps between the client and the slowest
+    one when it was let through (ssp), and whether its gradient came too late for its step
+    (sync: dropped, not applied).
+    """
+    waited_s: _builtins.float
+    staleness: _builtins.int
+    stale_dropped: _builtins.bool
     def __init__(
         self,
         *,
         duplicate: _builtins.bool = ...,
+        next_step: _builtins.int = ...,
+        waited_s: _builtins.float = ...,
+        staleness: _builtins.int = ...,
+        stale_dropped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "next_step", b"next_step", "stale_dropped", b"stale_dropped", "staleness", b"staleness", "waited_s", b"waited_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -705,6 +731,95 @@ class PushSocketReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushSocketReply: _TypeAlias = PushSocketReply  # noqa: Y015
+
+@_typing.final
+class JoinStepsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    incarnation: _builtins.int
+    mode: _builtins.str
+    """"ssp:K" or "sync" (ps_common.consistency)."""
+    replicas: _builtins.int
+    """sync: the first step waits until this many clients have joined (later steps combine
+    every client that has joined and not left or died).
+    """
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+        mode: _builtins.str = ...,
+        replicas: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "incarnation", b"incarnation", "mode", b"mode", "replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinStepsRequest: _TypeAlias = JoinStepsRequest  # noqa: Y015
+
+@_typing.final
+class JoinStepsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """The step the client computes first on this server."""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinStepsReply: _TypeAlias = JoinStepsReply  # noqa: Y015
+
+@_typing.final
+class LeaveStepsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    incarnation: _builtins.int
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "incarnation", b"incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveStepsRequest: _TypeAlias = LeaveStepsRequest  # noqa: Y015
+
+@_typing.final
+class LeaveStepsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveStepsReply: _TypeAlias = LeaveStepsReply  # noqa: Y015
 
 @_typing.final
 class CloseSharedMemoryRequest(_message.Message):

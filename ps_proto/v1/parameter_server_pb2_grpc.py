@@ -77,6 +77,16 @@ class ParameterServerStub:
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryReply.FromString,
                 _registered_method=True)
+        self.JoinSteps = channel.unary_unary(
+                '/ps.v1.ParameterServer/JoinSteps',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.JoinStepsRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.JoinStepsReply.FromString,
+                _registered_method=True)
+        self.LeaveSteps = channel.unary_unary(
+                '/ps.v1.ParameterServer/LeaveSteps',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.LeaveStepsRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.LeaveStepsReply.FromString,
+                _registered_method=True)
         self.AssignShards = channel.unary_unary(
                 '/ps.v1.ParameterServer/AssignShards',
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.AssignShardsRequest.SerializeToString,
@@ -148,6 +158,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinSteps(self, request, context):
+        """Consistency modes (ps_server.consistency): a client takes part in this server's steps
+        (ssp:K or sync) from JoinSteps until LeaveSteps, its retirement, or its death.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveSteps(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AssignShards(self, request, context):
         """Control plane, called only by the coordinator this server registered with (fenced by
         generation and token): the whole shard map; the server holds the shards placed on it.
@@ -208,6 +232,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.CloseSharedMemory,
                     request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryReply.SerializeToString,
+            ),
+            'JoinSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinSteps,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.JoinStepsRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.JoinStepsReply.SerializeToString,
+            ),
+            'LeaveSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveSteps,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.LeaveStepsRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.LeaveStepsReply.SerializeToString,
             ),
             'AssignShards': grpc.unary_unary_rpc_method_handler(
                     servicer.AssignShards,
@@ -439,6 +473,60 @@ class ParameterServer:
             '/ps.v1.ParameterServer/CloseSharedMemory',
             ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryRequest.SerializeToString,
             ps__proto_dot_v1_dot_parameter__server__pb2.CloseSharedMemoryReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/JoinSteps',
+            ps__proto_dot_v1_dot_parameter__server__pb2.JoinStepsRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.JoinStepsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/LeaveSteps',
+            ps__proto_dot_v1_dot_parameter__server__pb2.LeaveStepsRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.LeaveStepsReply.FromString,
             options,
             channel_credentials,
             insecure,

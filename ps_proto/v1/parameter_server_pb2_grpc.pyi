@@ -51,6 +51,11 @@ class ParameterServerStub:
     AttachShards: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.AttachShardsRequest, _parameter_server_pb2.AttachShardsReply]
     PushShared: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PushSharedRequest, _parameter_server_pb2.PushSharedReply]
     CloseSharedMemory: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.CloseSharedMemoryRequest, _parameter_server_pb2.CloseSharedMemoryReply]
+    JoinSteps: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.JoinStepsRequest, _parameter_server_pb2.JoinStepsReply]
+    """Consistency modes (ps_server.consistency): a client takes part in this server's steps
+    (ssp:K or sync) from JoinSteps until LeaveSteps, its retirement, or its death.
+    """
+    LeaveSteps: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.LeaveStepsRequest, _parameter_server_pb2.LeaveStepsReply]
     AssignShards: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.AssignShardsRequest, _parameter_server_pb2.AssignShardsReply]
     """Control plane, called only by the coordinator this server registered with (fenced by
     generation and token): the whole shard map; the server holds the shards placed on it.
@@ -85,6 +90,11 @@ class ParameterServerAsyncStub(ParameterServerStub):
     AttachShards: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.AttachShardsRequest, _parameter_server_pb2.AttachShardsReply]  # type: ignore[assignment]
     PushShared: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PushSharedRequest, _parameter_server_pb2.PushSharedReply]  # type: ignore[assignment]
     CloseSharedMemory: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.CloseSharedMemoryRequest, _parameter_server_pb2.CloseSharedMemoryReply]  # type: ignore[assignment]
+    JoinSteps: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.JoinStepsRequest, _parameter_server_pb2.JoinStepsReply]  # type: ignore[assignment]
+    """Consistency modes (ps_server.consistency): a client takes part in this server's steps
+    (ssp:K or sync) from JoinSteps until LeaveSteps, its retirement, or its death.
+    """
+    LeaveSteps: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.LeaveStepsRequest, _parameter_server_pb2.LeaveStepsReply]  # type: ignore[assignment]
     AssignShards: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.AssignShardsRequest, _parameter_server_pb2.AssignShardsReply]  # type: ignore[assignment]
     """Control plane, called only by the coordinator this server registered with (fenced by
     generation and token): the whole shard map; the server holds the shards placed on it.
@@ -164,6 +174,23 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request: _parameter_server_pb2.CloseSharedMemoryRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.CloseSharedMemoryReply, _abc.Awaitable[_parameter_server_pb2.CloseSharedMemoryReply]]: ...
+
+    @_abc_1.abstractmethod
+    def JoinSteps(
+        self,
+        request: _parameter_server_pb2.JoinStepsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.JoinStepsReply, _abc.Awaitable[_parameter_server_pb2.JoinStepsReply]]:
+        """Consistency modes (ps_server.consistency): a client takes part in this server's steps
+        (ssp:K or sync) from JoinSteps until LeaveSteps, its retirement, or its death.
+        """
+
+    @_abc_1.abstractmethod
+    def LeaveSteps(
+        self,
+        request: _parameter_server_pb2.LeaveStepsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.LeaveStepsReply, _abc.Awaitable[_parameter_server_pb2.LeaveStepsReply]]: ...
 
     @_abc_1.abstractmethod
     def AssignShards(

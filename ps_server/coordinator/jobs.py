@@ -117,6 +117,14 @@ class Task:
 
 
 @dataclass
+class StepReport:
+    """What the servers said about one worker incarnation's steps (ssp:K, sync); cumulative."""
+    wait_s: float = 0.0
+    staleness_max: int = 0
+    dropped_stale: int = 0
+
+
+@dataclass
 class Worker:
     worker_id: str
     incarnation: int
@@ -128,6 +136,7 @@ class Worker:
     steps: int = 0
     leased: set[int] = field(default_factory=set)
     data_path: str = ""  # as the worker reports it: "shm", "grpc", "shm+grpc"
+    wait_s: float = 0.0  # its pushes' waits for other workers (StepReport)
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,9 @@ class JobRunner:
         self._tasks_done = 0
         self._steps = 0
         self._summaries: list[EpochSummary] = []
+        # (worker_id, incarnation) -> its newest StepReport (kept after it dies: the job's
+        # staleness and drops count every incarnation).
+        self._step_reports: dict[tuple[str, int], StepReport] = {}
         if incarnations is None:
             # Servers fence a worker's pushes by incarnation, and they outlive a coordinator
             # restart: incarnations start from the wall clock (ms) so that a restarted
@@ -367,9 +379,11 @@ class JobRunner:
             self._schedule(self._expiries, now + self._timeout, worker)
             return incarnation
 
-    def heartbeat(self, worker_id: str, incarnation: int, data_path: str = "") -> str:
+    def heartbeat(self, worker_id: str, incarnation: int, data_path: str = "",
+                  steps: StepReport | None = None) -> str:
         """'continue', 'reregister' (fenced, unknown or forgotten) or 'stop' (job over).
-        `data_path`: how the worker's pulls and pushes travel, for status."""
+        `data_path`: how the worker's pulls and pushes travel; `steps`: what the servers
+        said of its steps so far; both for status."""
         now = self._clock.monotonic()
         with self._locked():
             worker = self._current(worker_id, incarnation)
@@ -378,6 +392,7 @@ class JobRunner:
             worker.last_heartbeat = now
             if data_path:
                 worker.data_path = data_path
+            self._note_steps(worker, steps)
             if self.over or self.state is JobState.NONE:
                 self._leave(worker, WorkerState.DONE, now)
                 return "stop"
@@ -409,7 +424,7 @@ class JobRunner:
             return "task", task
 
     def complete(self, worker_id: str, incarnation: int, task_id: int, metrics: Metrics,
-                 data_path: str = "") -> bool:
+                 data_path: str = "", steps: StepReport | None = None) -> bool:
         """Record a finished task; returns True for a duplicate report (nothing changes),
         including the report of a task of an epoch that has ended (its tasks are dropped).
         `data_path` as for heartbeat().
@@ -447,10 +462,19 @@ class JobRunner:
                 worker.steps += metrics.steps
                 if data_path:
                     worker.data_path = data_path
+                self._note_steps(worker, steps)
             task.state, task.holder, task.metrics = TaskState.DONE, None, metrics
             self._record(task, metrics)
             self._advance(task)
             return False
+
+    def _note_steps(self, worker: Worker, steps: StepReport | None) -> None:
+        """Keep the newest report of each incarnation (under the lock): the job's figures
+        are the largest gap and the sum of drops over every incarnation that ever ran."""
+        if steps is None:
+            return
+        worker.wait_s = steps.wait_s
+        self._step_reports[(worker.worker_id, worker.incarnation)] = steps
 
     def report_job_error(self, worker_id: str, incarnation: int, message: str) -> bool:
         """A worker cannot run the job (data or model does not load). It is marked dead with
@@ -495,9 +519,15 @@ class JobRunner:
                 "elapsed_s": end - self._started_at,
                 "metrics": list(self._summaries),
                 "failure": self.failure,
+                "mode": self.job.mode if self.job else "",
+                "staleness_max": max((r.staleness_max for r in self._step_reports.values()),
+                                     default=0),
+                "dropped_stale_gradients": sum(r.dropped_stale
+                                               for r in self._step_reports.values()),
                 "workers": [
                     {**{k: getattr(w, k) for k in ("worker_id", "incarnation", "reason",
-                                                   "tasks_done", "steps", "data_path")},
+                                                   "tasks_done", "steps", "data_path",
+                                                   "wait_s")},
                      "state": w.state.value, "heartbeat_age_s": now - w.last_heartbeat,
                      "died_at_s": (w.died_at - self._started_at) if w.died_at is not None else 0.0,
                      "leased_tasks": sorted(w.leased)}
@@ -543,6 +573,9 @@ class JobRunner:
             "workers_dead": [w["worker_id"] for w in snap["workers"] if w["state"] == "dead"],
             "data_paths": {w["worker_id"]: w["data_path"] for w in snap["workers"]
                            if w["data_path"]},
+            "mode": snap["mode"],
+            "staleness_max": snap["staleness_max"],
+            "dropped_stale_gradients": snap["dropped_stale_gradients"],
             **({"failure": snap["failure"]} if snap["failure"] else {}),
         }
 

@@ -9,7 +9,7 @@ from ps_proto.v1 import coordinator_pb2 as pb
 from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from ps_server.coordinator.assigner import Assigner
 from ps_server.coordinator.identity import ClientRegistry, Incarnations, RetiredLog
-from ps_server.coordinator.jobs import JobRunner, Metrics
+from ps_server.coordinator.jobs import JobRunner, Metrics, StepReport
 from ps_server.coordinator.placement import server_loads
 from ps_server.coordinator.state import CoordinatorState, HeldReport, ServerReport
 
@@ -139,7 +139,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def WorkerHeartbeat(self, request, context):
         with translate_errors(context, "WorkerHeartbeat"):
             action = self._runner.heartbeat(request.worker_id, request.incarnation,
-                                            request.data_path)
+                                            request.data_path, _step_report(request))
             return pb.WorkerHeartbeatReply(action=_ACTIONS[action])
 
     def LeaseTask(self, request, context):
@@ -171,7 +171,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             duplicate = self._runner.complete(
                 request.worker_id, request.incarnation, request.task_id,
                 Metrics(m.loss_sum, m.examples, m.correct, m.steps, m.seconds, auc),
-                data_path=request.data_path)
+                data_path=request.data_path, steps=_step_report(request))
             if not duplicate:
                 # On disk before the worker hears it: a task acknowledged as done is done
                 # for a restarted coordinator too.
@@ -208,7 +208,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     state=snap["state"].value, epoch=snap["epoch"], epochs=snap["epochs"],
                     tasks_done=snap["tasks_done"], tasks_total=snap["tasks_total"],
                     steps=snap["steps"], elapsed_s=snap["elapsed_s"], metrics=metrics,
-                    job_json=job.to_json() if job else "", failure=snap["failure"]),
+                    job_json=job.to_json() if job else "", failure=snap["failure"],
+                    mode=snap["mode"], staleness_max=snap["staleness_max"],
+                    dropped_stale_gradients=snap["dropped_stale_gradients"]),
                 workers=[pb.WorkerStatus(**w) for w in snap["workers"]],
                 servers=servers,
                 shard_map_epoch=shard_map.epoch,
@@ -256,3 +258,12 @@ def _checkpoint_info(manifest) -> pb.CheckpointInfo | None:
         return None
     return pb.CheckpointInfo(id=manifest.id, step=manifest.step, path=str(manifest.directory),
                              created_unix_s=manifest.created_unix_s, bytes=manifest.bytes)
+
+
+def _step_report(request) -> StepReport | None:
+    if not request.HasField("step_report"):
+        return None
+    r = request.step_report
+    if not (r.wait_s >= 0 and r.staleness_max >= 0 and r.dropped_stale >= 0):  # NaN too
+        raise InvalidArgument("step_report figures must be >= 0")
+    return StepReport(r.wait_s, r.staleness_max, r.dropped_stale)

@@ -40,7 +40,10 @@ def test_dashes_in_keys_mean_underscores():
     ("epochs", 0),
     ("batch_size", -1),
     ("optimizer", "rmsprop"),
-    ("mode", "sync"),
+    ("mode", "ssp"),
+    ("mode", "ssp:-1"),
+    ("mode", "bsp"),
+    ("mode", 2),
     ("lr", 0),
     ("hidden", "a,b"),
     ("tasks_per_epoch", 0),
@@ -291,3 +294,15 @@ def test_a_malformed_synthetic_ctr_is_refused():
     with pytest.raises(JobError) as caught:
         JobSpec(data="synthetic_ctr:many")
     assert caught.value.field == "data"
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp:0", "ssp:2", "sync", "SSP:3"])
+def test_consistency_modes_are_accepted_as_given(mode):
+    assert JobSpec.from_mapping({"mode": mode}).mode == mode
+
+
+def test_sync_is_refused_for_a_model_with_embedding_tables():
+    with pytest.raises(JobError) as caught:
+        JobSpec.from_mapping({"model": "embedding_mlp", "mode": "sync"})
+    assert caught.value.field == "mode" and "ssp:K" in str(caught.value)
+    assert JobSpec.from_mapping({"model": "embedding_mlp", "mode": "ssp:1"}).mode == "ssp:1"

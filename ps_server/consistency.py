@@ -1,0 +1,270 @@
+"""One server's steps in the ssp:K and sync modes (ps_common.consistency): who takes part,
+how far each has got, and, in sync, the gradients of the step being combined.
+
+The bound sits on the push: a client's push of step t returns once the client may start
+step t + 1 (ssp:K: when no live member is more than K steps behind; sync: when step t's
+averaged gradient has been applied). A pull after it therefore needs no call to wait on,
+which keeps pulls through shared memory call-free in every mode.
+
+Membership is per server: a client joins (JoinSteps) at the step the others are at, leaves
+(LeaveSteps) when its work is done, and is removed when the coordinator retires it (dead:
+missed heartbeats), so no step waits for a dead client longer than its heartbeat timeout.
+
+In sync, a contribution is recorded in the exactly-once ledger only when the step it belongs
+to is applied, together with it: a push is acknowledged only after the average that
+includes it has been applied, so a server restored from a checkpoint either has both or
+neither, and a retried push of a pending step is recognized by its client and not counted
+twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ps_common.consistency import SYNC, Mode
+from ps_common.errors import FailedPrecondition, PSError
+
+log = logging.getLogger(__name__)
+
+# The longest a push waits for other clients before it is told which ones it waited for.
+STEP_WAIT_S = 30.0
+
+
+class StepTimeout(PSError):
+    code = "DEADLINE_EXCEEDED"
+
+
+@dataclass
+class _Member:
+    incarnation: int
+    done: int  # ssp: steps finished (the step it computes next)
+
+
+@dataclass
+class Contribution:
+    """A sync push waiting for its step: what the ledger records once the step is applied."""
+    client_id: str
+    incarnation: int
+    sequence: int
+    acked_through: int
+
+
+@dataclass
+class PushOutcome:
+    next_step: int
+    waited_s: float = 0.0
+    staleness: int = 0
+    stale_dropped: bool = False
+    duplicate: bool = False
+
+
+@dataclass
+class _Step:
+    """The sync step being combined: per shard, the sum of its gradients and their count."""
+    contributors: dict[str, Contribution] = field(default_factory=dict)
+    sums: dict[tuple[str, int], list] = field(default_factory=dict)  # key -> [held, sum, n]
+
+
+class StepGate:
+    """Thread-safe. `apply_average(contributions, targets, grads)` applies one averaged
+    gradient per shard and records every contribution in the ledger, atomically with it."""
+
+    def __init__(self, apply_average: Callable, *, clock=time.monotonic,
+                 wait_s: float = STEP_WAIT_S):
+        self._apply_average = apply_average
+        self._clock = clock
+        self._wait_s = wait_s
+        self._changed = threading.Condition()
+        self._mode: Mode | None = None
+        self._members: dict[str, _Member] = {}
+        self._replicas = 1
+        self._started = False  # sync: its first step has been applied
+        self._high = 0  # ssp: the most steps any member has finished
+        self._step = 0  # sync: steps applied
+        self._pending = _Step()
+        self._failed: dict[int, PSError] = {}  # sync: steps whose update failed (recent)
+        self.staleness_max = 0
+        self.dropped_stale = 0
+
+    # ---- membership -----------------------------------------------------------------------
+
+    def join(self, client_id: str, incarnation: int, mode: Mode, replicas: int = 1) -> int:
+        """The step `client_id` computes first. Raises FailedPrecondition when other
+        clients take part in another mode."""
+        if not mode.stepped:
+            raise FailedPrecondition("JoinSteps: the async mode has no steps to join")
+        if replicas < 1:
+            raise FailedPrecondition(f"JoinSteps: replicas {replicas} must be >= 1")
+        with self._changed:
+            others = {c: m for c, m in self._members.items() if c != client_id}
+            if others and mode != self._mode:
+                raise FailedPrecondition(
+                    f"this server's steps run in {self._mode} (clients "
+                    f"{', '.join(sorted(others))}); a client cannot join them in {mode}")
+            if not others:
+                self._mode = mode
+                if mode.kind == SYNC and not self._started:
+                    self._replicas = replicas
+            current = self._members.get(client_id)
+            if current is not None and current.incarnation > incarnation:
+                raise FailedPrecondition(
+                    f"client {client_id!r} incarnation {incarnation} was replaced by "
+                    f"incarnation {current.incarnation}: register again")
+            if mode.kind == SYNC:
+                start = self._step
+            else:  # ssp: at the slowest member's step (it then holds nobody back)
+                start = min((m.done for m in others.values()), default=self._high)
+            self._members[client_id] = _Member(incarnation, start)
+            self._changed.notify_all()
+            return start
+
+    def leave(self, client_id: str, incarnation: int | None = None) -> None:
+        """`client_id` takes part no more (left, or retired by the coordinator): nobody
+        waits for it. `incarnation`: only that one or an older one."""
+        with self._changed:
+            member = self._members.get(client_id)
+            if member is None or (incarnation is not None and member.incarnation > incarnation):
+                return
+            del self._members[client_id]
+            self._maybe_apply()
+            self._changed.notify_all()
+
+    def mode(self) -> str:
+        with self._changed:
+            return str(self._mode) if self._mode is not None and self._members else ""
+
+    def kind_of(self, client_id: str) -> str | None:
+        """The mode kind `client_id` takes part in (None: it has not joined)."""
+        with self._changed:
+            if client_id not in self._members or self._mode is None:
+                return None
+            return self._mode.kind
+
+    def check_member(self, client_id: str, incarnation: int) -> None:
+        """Raises FailedPrecondition unless `client_id` takes part in the steps (before a
+        stepped push is applied: it is refused whole, never applied and then refused)."""
+        with self._changed:
+            self._member(client_id, incarnation)
+
+    def current_step(self) -> int:
+        with self._changed:
+            return self._step
+
+    # ---- ssp -----------------------------------------------------------------------------
+
+    def finish_step(self, client_id: str, incarnation: int, step: int) -> PushOutcome:
+        """ssp: `client_id` has applied its push of `step`: wait until it may start the next
+        one (no live member more than K steps behind it)."""
+        started = self._clock()
+        with self._changed:
+            member = self._member(client_id, incarnation)
+            member.done = max(member.done, step + 1)
+            self._high = max(self._high, member.done)
+            self._changed.notify_all()
+            bound = self._mode.bound if self._mode is not None else 0
+            deadline = started + self._wait_s
+            while True:
+                member = self._members.get(client_id)
+                if member is None:  # left or retired meanwhile: nothing to wait for
+                    return PushOutcome(next_step=step + 1, waited_s=self._clock() - started)
+                slowest = min(m.done for m in self._members.values())
+                if member.done <= slowest + bound:
+                    break
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise self._timeout(step, [c for c, m in self._members.items()
+                                               if member.done > m.done + bound])
+                self._changed.wait(remaining)
+            staleness = member.done - slowest
+            self.staleness_max = max(self.staleness_max, staleness)
+            return PushOutcome(next_step=member.done, waited_s=self._clock() - started,
+                               staleness=staleness)
+
+    # ---- sync ----------------------------------------------------------------------------
+
+    def contribute(self, contribution: Contribution, step: int, targets: list,
+                   grads: list[np.ndarray]) -> PushOutcome:
+        """sync: add a push's gradients (copied) to `step`, and wait until the step's
+        average has been applied. A gradient for a step already applied is dropped."""
+        started = self._clock()
+        client_id = contribution.client_id
+        with self._changed:
+            self._member(client_id, contribution.incarnation)
+            if step < self._step:
+                self.dropped_stale += 1
+                return PushOutcome(next_step=self._step, stale_dropped=True)
+            if step > self._step:
+                raise FailedPrecondition(
+                    f"push of step {step}, but this server is at step {self._step}: a client "
+                    "computes the step JoinSteps and its last push's answer gave it")
+            if client_id not in self._pending.contributors:  # else a retry: counted once
+                self._pending.contributors[client_id] = contribution
+                for held, grad in zip(targets, grads):
+                    entry = self._pending.sums.get(held.key)
+                    if entry is None:
+                        self._pending.sums[held.key] = [held, np.array(grad, copy=True), 1]
+                    else:
+                        entry[1] += grad
+                        entry[2] += 1
+            self._maybe_apply()
+            deadline = started + self._wait_s
+            while self._step <= step:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise self._timeout(step, sorted(
+                        set(self._members) - set(self._pending.contributors)))
+                self._changed.wait(remaining)
+            if step in self._failed:
+                raise self._failed[step]
+            return PushOutcome(next_step=self._step, waited_s=self._clock() - started)
+
+    def _maybe_apply(self) -> None:
+        """Apply the pending step once every member has contributed (and, for the first
+        step, once `replicas` have joined). Called under the lock."""
+        if self._mode is None or self._mode.kind != SYNC or not self._pending.contributors:
+            return
+        if not set(self._members) <= set(self._pending.contributors):
+            return
+        if not self._started and len(self._pending.contributors) < self._replicas \
+                and self._members:
+            return
+        pending, self._pending = self._pending, _Step()
+        targets = [entry[0] for entry in pending.sums.values()]
+        averages = [entry[1] / np.asarray(entry[2], entry[1].dtype)
+                    for entry in pending.sums.values()]
+        try:
+            self._apply_average(list(pending.contributors.values()), targets, averages)
+        except PSError as error:
+            # Nothing of the step was applied: every contributor's push raises the error.
+            self._failed[self._step] = error
+        except Exception as error:  # noqa: BLE001 - reported to the contributors, not lost
+            log.exception("the averaged update of step %d failed", self._step)
+            self._failed[self._step] = PSError(f"the update of step {self._step} failed: "
+                                               f"{type(error).__name__}; see the server log")
+        for old in [s for s in self._failed if s < self._step - 64]:
+            del self._failed[old]
+        self._step += 1
+        self._started = True
+        self._changed.notify_all()
+
+    # ---- shared ---------------------------------------------------------------------------
+
+    def _member(self, client_id: str, incarnation: int) -> _Member:
+        member = self._members.get(client_id)
+        if member is None or member.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"client {client_id!r} incarnation {incarnation} has not joined this "
+                "server's steps (or left them, or was declared dead): JoinSteps first")
+        return member
+
+    def _timeout(self, step: int, waiting_for: list[str]) -> StepTimeout:
+        return StepTimeout(
+            f"waited {self._wait_s:g} s after step {step} ({self._mode}) for "
+            f"{', '.join(sorted(waiting_for)) or 'other clients'} to catch up: a client that "
+            "stopped without LeaveSteps is waited for until the coordinator declares it dead")
