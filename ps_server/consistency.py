@@ -67,7 +67,13 @@ class PushOutcome:
 @dataclass
 class _Step:
     """The sync step being combined: per shard, the sum of its gradients and their count."""
-    contributors: dict[str, Contribution] = field(default_factory=dict)
+    # (client_id, sequence) -> its push: a client's pushes of one step all count (each
+    # shard averages the gradients it got); a retry, under the same sequence, counts once.
+    contributions: dict[tuple[str, int], Contribution] = field(default_factory=dict)
+
+    @property
+    def clients(self) -> set[str]:
+        return {client_id for client_id, _ in self.contributions}
     sums: dict[tuple[str, int], list] = field(default_factory=dict)  # key -> [held, sum, n]
 
 
@@ -85,6 +91,7 @@ class StepGate:
         self._members: dict[str, _Member] = {}
         self._replicas = 1
         self._started = False  # sync: its first step has been applied
+        self._joined_before_start: set[str] = set()  # sync: for `replicas`
         self._high = 0  # ssp: the most steps any member has finished
         self._step = 0  # sync: steps applied
         self._pending = _Step()
@@ -121,6 +128,8 @@ class StepGate:
             else:  # ssp: at the slowest member's step (it then holds nobody back)
                 start = min((m.done for m in others.values()), default=self._high)
             self._members[client_id] = _Member(incarnation, start)
+            if not self._started:
+                self._joined_before_start.add(client_id)
             self._changed.notify_all()
             return start
 
@@ -203,8 +212,9 @@ class StepGate:
                 raise FailedPrecondition(
                     f"push of step {step}, but this server is at step {self._step}: a client "
                     "computes the step JoinSteps and its last push's answer gave it")
-            if client_id not in self._pending.contributors:  # else a retry: counted once
-                self._pending.contributors[client_id] = contribution
+            key = (client_id, contribution.sequence)
+            if key not in self._pending.contributions:  # else a retry: counted once
+                self._pending.contributions[key] = contribution
                 for held, grad in zip(targets, grads):
                     entry = self._pending.sums.get(held.key)
                     if entry is None:
@@ -218,7 +228,7 @@ class StepGate:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise self._timeout(step, sorted(
-                        set(self._members) - set(self._pending.contributors)))
+                        set(self._members) - self._pending.clients))
                 self._changed.wait(remaining)
             if step in self._failed:
                 raise self._failed[step]
@@ -227,19 +237,19 @@ class StepGate:
     def _maybe_apply(self) -> None:
         """Apply the pending step once every member has contributed (and, for the first
         step, once `replicas` have joined). Called under the lock."""
-        if self._mode is None or self._mode.kind != SYNC or not self._pending.contributors:
+        if self._mode is None or self._mode.kind != SYNC or not self._pending.contributions:
             return
-        if not set(self._members) <= set(self._pending.contributors):
+        if not set(self._members) <= self._pending.clients:
             return
-        if not self._started and len(self._pending.contributors) < self._replicas \
+        if not self._started and len(self._joined_before_start) < self._replicas \
                 and self._members:
-            return
+            return  # the first step: `replicas` clients have not all joined yet
         pending, self._pending = self._pending, _Step()
         targets = [entry[0] for entry in pending.sums.values()]
         averages = [entry[1] / np.asarray(entry[2], entry[1].dtype)
                     for entry in pending.sums.values()]
         try:
-            self._apply_average(list(pending.contributors.values()), targets, averages)
+            self._apply_average(list(pending.contributions.values()), targets, averages)
         except PSError as error:
             # Nothing of the step was applied: every contributor's push raises the error.
             self._failed[self._step] = error

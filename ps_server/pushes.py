@@ -146,11 +146,22 @@ class PushReceiver:
     def _apply_average(self, contributions: list[Contribution], targets, grads) -> None:
         """One sync step: the averaged gradients applied, and every contribution recorded
         in the ledger with them (in client order: the ledger's locks are per client)."""
-        with self._store.gate.shared(), contextlib.ExitStack() as ledger:
-            for c in sorted(contributions, key=lambda c: c.client_id):
-                ledger.enter_context(self._ledger.exactly_once(
-                    c.client_id, c.incarnation, c.sequence, c.acked_through))
-            self._store.apply(targets, grads)
+        # The ledger holds one lock per client: each client's first push is recorded with
+        # the update, its others (pushes of the same step) right after; all of it under the
+        # gate, so that no checkpoint cuts between the update and any of its records.
+        ordered = sorted(contributions, key=lambda c: (c.client_id, c.sequence))
+        first = {c.client_id: c for c in reversed(ordered)}
+        with self._store.gate.shared():
+            with contextlib.ExitStack() as ledger:
+                for c in (first[client_id] for client_id in sorted(first)):
+                    ledger.enter_context(self._ledger.exactly_once(
+                        c.client_id, c.incarnation, c.sequence, c.acked_through))
+                self._store.apply(targets, grads)
+            for c in ordered:
+                if first[c.client_id] is not c:
+                    with self._ledger.exactly_once(c.client_id, c.incarnation, c.sequence,
+                                                   c.acked_through):
+                        pass
 
 
 def _check_identity(header: PushHeader) -> None:

@@ -920,8 +920,10 @@ class PSClient:
         every client that joined have been averaged and applied (a pull after it sees
         them). In sync, the first step also waits until `replicas` clients have joined;
         a step never waits for a client that left or that the coordinator declared dead.
-        Join before the first pull whose values a step uses. `push_rows` in sync is
-        refused (sync averages whole variables); in ssp:K it carries no step.
+        Join before the first pull whose values a step uses. In sync, push a step's
+        gradients in one `push`: a second push of the same step counts only if it arrives
+        before the step is applied (else it is dropped and counted as stale). `push_rows`
+        in sync is refused (sync averages whole variables); in ssp:K it carries no step.
         Raises ValueError for a bad mode, RemoteError FAILED_PRECONDITION when other
         clients take part in another mode."""
         parsed = parse_mode(mode, what="join_steps mode")
@@ -934,8 +936,16 @@ class PSClient:
         with self._lock:
             self._mode, self._replicas = parsed, replicas
         shard_map = self.shard_map
-        self._run_groups({server_id: None for server_id in shard_map.servers},
-                         lambda server_id, _: self._step_at(shard_map, server_id))
+        try:
+            self._run_groups({server_id: None for server_id in shard_map.servers},
+                             lambda server_id, _: self._step_at(shard_map, server_id))
+        except BaseException:
+            # Refused (another mode, say) or unreachable: this client takes part in no
+            # steps, on no server, as before the call.
+            with self._lock:
+                joined, self._mode, self._steps = dict(self._steps), None, {}
+            self._leave(joined)
+            raise
 
     def leave_steps(self) -> None:
         """Take part in no steps any more (pushes no longer wait for other clients, and no

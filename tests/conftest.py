@@ -62,3 +62,50 @@ def make_cluster(no_thread_leak, request):
 def cluster(make_cluster):
     """A started 2-server cluster with default settings."""
     return make_cluster(servers=2)
+
+
+# ---- calls in threads ---------------------------------------------------------------------
+
+CALL_WAIT_S = 30.0  # bound of every join; never reached when the code is right
+
+
+class BackgroundCall:
+    """fn(*args) in a thread; `done` is set when it returns or raises; `result()` joins it
+    (bounded) and returns or raises what it did."""
+
+    def __init__(self, fn, *args, name: str = "test-call"):
+        self.done = threading.Event()
+        self._value = self._error = None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), name=name)
+        self.thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self._value = fn(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to result()
+            self._error = error
+        finally:
+            self.done.set()
+
+    def result(self):
+        self.thread.join(CALL_WAIT_S)
+        assert not self.thread.is_alive(), f"{self.thread.name} did not finish"
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@pytest.fixture
+def spawn():
+    """spawn(fn, *args) -> BackgroundCall; every thread is joined (bounded) after the test.
+    (System tests have a `spawn` of their own: processes.)"""
+    calls: list[BackgroundCall] = []
+
+    def start(fn, *args) -> BackgroundCall:
+        calls.append(BackgroundCall(fn, *args, name=f"test-call-{len(calls)}"))
+        return calls[-1]
+
+    yield start
+    for call in calls:
+        call.thread.join(CALL_WAIT_S)
+    assert not [c for c in calls if c.thread.is_alive()], "a call in a thread never finished"

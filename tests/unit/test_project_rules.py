@@ -32,6 +32,8 @@ DOMAIN_MODULES = [
     "ps_server/initializers.py",
     "ps_server/ledger.py",
     "ps_server/pushes.py",
+    "ps_server/consistency.py",
+    "ps_common/consistency.py",
     "ps_server/buffers.py",
     "ps_server/coordinator/placement.py",
     "ps_server/coordinator/state.py",
