@@ -10,6 +10,8 @@ import re
 import signal
 import sys
 
+from ps_common.auth import TOKEN_FILE_ENV, token_from
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
@@ -44,6 +46,24 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
 def add_shared_memory_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """--no-shm: the same flag on every command that moves tensors or starts what does."""
     parser.add_argument("--no-shm", action="store_true", help=f"do not {what}")
+
+
+def add_token_argument(parser: argparse.ArgumentParser) -> None:
+    """--token-file: the cluster's shared token (ps_common.auth), on every command."""
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="file holding the cluster's shared token: daemons refuse calls "
+                        "without it (UNAUTHENTICATED), clients send it on every call "
+                        f"(default: the file named by {TOKEN_FILE_ENV}, if set; else none)")
+
+
+def token_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The token --token-file (or PARAMSERVE_TOKEN_FILE) gives; a bad file is a usage error
+    naming the flag or variable."""
+    try:
+        return token_from(args.token_file)
+    except ValueError as error:
+        fail(parser, str(error))
+        raise
 
 
 def add_server_loss_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,8 @@ from typing import Callable, TypeVar
 
 import grpc
 
+from ps_common.auth import with_token
+
 from ps_common.clock import Clock, SystemClock
 from ps_common.status import RemoteError
 
@@ -69,8 +71,9 @@ SERVER_OPTIONS = [
 ]
 
 
-def make_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def make_channel(address: str, token: str | None = None) -> grpc.Channel:
+    """A channel to `address`; every call on it carries `token` (ps_common.auth) if given."""
+    return with_token(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), token)
 
 
 def make_server(max_workers: int = 16, interceptors=()) -> tuple[grpc.Server, futures.Executor]:

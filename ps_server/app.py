@@ -6,7 +6,7 @@ import logging
 import math
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -58,6 +58,9 @@ class ServerConfig:
     # Offer clients on this host the shared-memory data path (ps_server.shared_memory),
     # where the machine allows it (ps_common.shm.supported).
     shared_memory: bool = True
+    # Every call to this server must carry it, and its calls to the coordinator carry it
+    # (ps_common.auth); None: no token. Kept out of the repr: it is a secret.
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -120,6 +123,7 @@ class ParameterServer:
                 host=config.host, port=config.port, service_names=[SERVICE_NAME],
                 add_servicers=lambda s: add_to_server(servicer, s), interceptors=interceptors,
                 max_workers=handler_threads(config.max_streams), companions=[self.streams],
+                token=config.token,
             )
         except BaseException:  # e.g. the port is taken: leave no segment behind
             if self.shared is not None:
@@ -223,7 +227,7 @@ class ParameterServer:
 
     def _membership_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
-        with make_channel(self.config.coordinator) as channel:
+        with make_channel(self.config.coordinator, self.config.token) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             registered = False
             while not self._stop.is_set():

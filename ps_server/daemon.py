@@ -9,6 +9,7 @@ import threading
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_common.auth import server_interceptors, warn_if_open
 from ps_common.rpc import bind, make_server
 
 log = logging.getLogger(__name__)
@@ -17,16 +18,20 @@ log = logging.getLogger(__name__)
 class Daemon:
     """A started gRPC server serving `services` plus health and reflection.
 
-    `add_servicers(server)` registers the daemon's own servicers; `max_workers` sizes its
+    `add_servicers(server)` registers the daemon's own servicers; `token`: every call but
+    health's must carry it (ps_common.auth); `max_workers` sizes its
     handler thread pool. `companions` are objects with `start()` and `stop()` that run beside
     the server (e.g. a watchdog): started after it, stopped after it has stopped, so they
     serve its grace period too. Thread-safe `stop`.
     """
 
     def __init__(self, *, host: str, port: int, service_names: list[str], add_servicers,
-                 interceptors=(), max_workers: int = 16, companions=()):
-        self.server, self._executor = make_server(max_workers=max_workers,
-                                                  interceptors=interceptors)
+                 interceptors=(), max_workers: int = 16, companions=(),
+                 token: str | None = None):
+        # The token is checked first: an unauthenticated call reaches no other interceptor.
+        self.server, self._executor = make_server(
+            max_workers=max_workers, interceptors=[*server_interceptors(token), *interceptors])
+        warn_if_open(host, token, f"{service_names[0] if service_names else 'a daemon'}")
         self._companions = list(companions)
         add_servicers(self.server)
         self._health = health.HealthServicer()

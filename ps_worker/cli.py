@@ -11,7 +11,9 @@ import sys
 import threading
 import time
 
-from ps_common.cli import add_shared_memory_argument, parse_address, setup_logging
+from ps_common.cli import (
+    add_shared_memory_argument, add_token_argument, parse_address, setup_logging, token_of,
+)
 from ps_common.job import JobError
 from ps_common.status import RemoteError
 from ps_worker.backend import BackendUnavailable
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sleep this long in every training step: a slow worker (a straggler) "
                    "for demos and tests (default 0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_token_argument(p)
     return p
 
 
@@ -54,7 +57,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     worker = Worker(WorkerConfig(coordinator=args.coordinator, device=args.device,
                                  worker_id=args.worker_id,
                                  coordinator_timeout_s=args.coordinator_timeout,
-                                 shared_memory=not args.no_shm, step_delay_s=args.step_delay))
+                                 shared_memory=not args.no_shm, step_delay_s=args.step_delay,
+                                 token=token_of(parser, args)))
     # The worker runs on its own thread and the main thread only handles signals: a Python
     # signal handler runs on the main thread between two bytecodes, and one that set an event
     # the main thread was inside the wait of (or started a thread while it held threading's

@@ -153,6 +153,8 @@ class PSClient:
             --allow-non-finite accept them).
         shared_memory: with a server on this host that offers it, pull and push through
             shared memory (ps_worker.shared_memory); False: always gRPC (--no-shm).
+        token: the cluster's shared token, sent on every call (ps_common.auth: daemons
+            started with --token-file refuse calls without it, UNAUTHENTICATED).
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class PSClient:
         max_in_flight_pushes: int = 4,
         allow_non_finite: bool = False,
         shared_memory: bool = True,
+        token: str | None = None,
     ):
         check_chunk_bytes(chunk_bytes)
         if max_in_flight_pushes < 1:
@@ -186,7 +189,8 @@ class PSClient:
 
         self._lock = threading.Lock()
         self._sequences_changed = threading.Condition(self._lock)
-        self._coordinator_channel = make_channel(coordinator)
+        self._token = token  # the cluster's (ps_common.auth): on every call, never logged
+        self._coordinator_channel = make_channel(coordinator, token)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channel)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, _DataPath] = {}
@@ -1243,7 +1247,7 @@ class PSClient:
                 raise _local_error(grpc.StatusCode.CANCELLED, "the client was interrupted")
             stub = self._stubs.get(address)
             if stub is None:
-                channel = self._channels[address] = make_channel(address)
+                channel = self._channels[address] = make_channel(address, self._token)
                 stub = self._stubs[address] = _DataPath(channel)
             return stub
 

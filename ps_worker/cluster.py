@@ -23,7 +23,9 @@ from pathlib import Path
 
 import yaml
 
-from ps_common.cli import add_server_loss_arguments, add_shared_memory_argument
+from ps_common.cli import (
+    add_server_loss_arguments, add_shared_memory_argument, add_token_argument, token_of,
+)
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.status import RemoteError
 from ps_worker.chaos import ChaosError, ChaosMonkey
@@ -269,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_loss_arguments(p)
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the coordinator and servers up after the job (until Ctrl-C)")
+    add_token_argument(p)
     add_shared_memory_argument(p, "let workers and servers use shared memory (they share this "
                                "host); everything goes over gRPC")
     p.add_argument("--log-dir", help="where children's logs go (default: a new temp dir)")
@@ -309,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workers {args.workers}: must be >= 0")
     if args.chaos_seed is not None and not args.chaos:
         parser.error("--chaos-seed is for --chaos")
+    token = token_of(parser, args)  # checked here; children read the same file
     try:
         job = job_from_args(args) or JobSpec()
         if args.chaos and args.epochs is None and not (args.job and _names_epochs(args.job)):
@@ -342,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     chaos: ChaosMonkey | None = None
     try:
         hb = ["--heartbeat-interval", str(args.heartbeat_interval)]
-        no_shm = ["--no-shm"] if args.no_shm else []
+        passed_on = ["--no-shm"] if args.no_shm else []  # flags every child gets
+        # Children inherit PARAMSERVE_TOKEN_FILE; a --token-file is passed on.
+        passed_on += ["--token-file", args.token_file] if args.token_file else []
         coordinator = Child("coordinator", _python(
             "ps_server.coordinator.cli", "--port", "0", "--job", str(job_file), *hb,
             "--heartbeat-timeout", str(args.heartbeat_timeout),
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             *(["--reinitialize-lost-shards"] if args.reinitialize_lost_shards else []),
             *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []),
             *(["--checkpoint-every", checkpoint_every] if checkpoint_every else []),
-            *(["--keep-serving"] if args.keep_serving else []), *no_shm), log_dir)
+            *(["--keep-serving"] if args.keep_serving else []), *passed_on), log_dir)
         children.append(coordinator)
         address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         progress.note(f"coordinator on {address}; logs in {log_dir}")
@@ -362,14 +368,14 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.servers):  # each child is owned (stopped at exit) once it exists
             servers.append(Child(f"server-{i}", _python(
                 "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}", "--coordinator",
-                address, *hb, *no_shm), log_dir))
+                address, *hb, *passed_on), log_dir))
             children.append(servers[-1])
         for server in servers:
             server.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         for i in range(args.workers):
             workers.append(Child(f"worker-{i}", _python(
                 "ps_worker.cli", "--coordinator", address, "--worker-id", f"worker-{i}",
-                "--device", args.device, *no_shm), log_dir,
+                "--device", args.device, *passed_on), log_dir,
                 env=worker_environment(args.workers)))
             children.append(workers[-1])
         progress.note(f"{args.servers} server(s), {args.workers} worker(s): training "
@@ -382,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                 servers={s.name: f"ps-{i}" for i, s in enumerate(servers)})
             chaos = ChaosMonkey(chaos_seed, targets, {c.name: c for c in children},
                                 clock=time.monotonic, note=progress.note)
-        outcome = _monitor(address, coordinator, workers, progress, args.keep_serving, chaos)
+        outcome = _monitor(address, coordinator, workers, progress, args.keep_serving, chaos,
+                           token)
         if outcome.get("epochs") and outcome["epochs"] not in progress.reported and \
                 outcome.get("accuracy") is not None:  # the monitor missed the last status
             progress.note(epoch_line(outcome["epochs"], job.epochs, loss=outcome["loss"],
@@ -459,8 +466,10 @@ def _final_summary(coordinator: Child) -> dict | None:
 
 
 def _monitor(address: str, coordinator: Child, workers: list[Child], progress: Progress,
-             keep_serving: bool, chaos: ChaosMonkey | None = None) -> dict:
-    with CoordinatorClient(address, give_up_after_s=2.0, rpc_timeout_s=2.0) as client:
+             keep_serving: bool, chaos: ChaosMonkey | None = None,
+             token: str | None = None) -> dict:
+    with CoordinatorClient(address, give_up_after_s=2.0, rpc_timeout_s=2.0,
+                           token=token) as client:
         while True:
             if coordinator.returncode is not None:
                 summary = _final_summary(coordinator)

@@ -64,12 +64,12 @@ class CoordinatorClient:
     """
 
     def __init__(self, address: str, *, give_up_after_s: float = 30.0, rpc_timeout_s: float = 10.0,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, token: str | None = None):
         self.address = address
         self._stop = stop
         self._give_up_after_s = give_up_after_s
         self._timeout = rpc_timeout_s
-        self._channel = make_channel(address)
+        self._channel = make_channel(address, token)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         # ~give_up_after_s of jittered backoff capped at 1 s per try.
         self._retry = RetryPolicy(max_attempts=max(2, int(give_up_after_s / 0.75) + 1),

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from ps_common.cli import parse_address
+from ps_common.cli import add_token_argument, parse_address, token_of
 from ps_common.status import RemoteError
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
 
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True, type=parse_address, help="coordinator HOST:PORT")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="give up when the coordinator does not answer within this time")
+    add_token_argument(p)
     sub = p.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="members, shards, job progress and metrics")
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -106,13 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    token = token_of(parser, args)
     given = argv if argv is not None else sys.argv[1:]
     if args.command == "checkpoint" and not any(a.startswith("--timeout") for a in given):
         args.timeout = 600.0  # writing a large model takes a while
     try:
         with CoordinatorClient(args.coordinator, give_up_after_s=args.timeout,
-                               rpc_timeout_s=args.timeout) as coordinator:
+                               rpc_timeout_s=args.timeout, token=token) as coordinator:
             if args.command == "checkpoint":
                 print(json.dumps(coordinator.checkpoint()))
                 return 0

@@ -75,6 +75,8 @@ class WorkerConfig:
     shared_memory: bool = True
     # Seconds slept in every training step (--step-delay): a slow worker, for demos and tests.
     step_delay_s: float = 0.0
+    # The cluster's token, on every call (ps_common.auth); kept out of the repr: a secret.
+    token: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclass
@@ -380,7 +382,8 @@ class Worker:
         self._fenced = threading.Event()
         self._job_over = threading.Event()
         self._coordinator = CoordinatorClient(
-            config.coordinator, give_up_after_s=config.coordinator_timeout_s, stop=self._stop)
+            config.coordinator, give_up_after_s=config.coordinator_timeout_s, stop=self._stop,
+            token=config.token)
         self._client: PSClient | None = None  # the incarnation's PSClient, to interrupt
         self._client_lock = threading.Lock()
         self._incarnation = 0
@@ -476,7 +479,7 @@ class Worker:
                       incarnation=self._incarnation, retry=SERVER_OUTAGE_RETRY,
                       max_in_flight_pushes=self.config.max_in_flight_pushes,
                       shared_memory=self.config.shared_memory
-                      and trainer.job.shared_memory) as ps:
+                      and trainer.job.shared_memory, token=self.config.token) as ps:
             self._watch_client(ps)
             ps.declare_many(trainer.specs)
             while True:

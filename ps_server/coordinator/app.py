@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ps_common.clock import Clock, SystemClock
@@ -57,6 +57,9 @@ class CoordinatorConfig:
     keep_checkpoints: int = 3
     # The coordinator's own state (job progress) goes here; default: checkpoint_dir.
     state_dir: Path | None = None
+    # Every call to the coordinator must carry it, and its calls to servers carry it
+    # (ps_common.auth); None: no token. Kept out of the repr: it is a secret.
+    token: str | None = field(default=None, repr=False)
 
     @property
     def state_path(self) -> Path | None:
@@ -106,7 +109,7 @@ class Coordinator:
             server_timeout_s=config.server_timeout_s,
             reinitialize_lost=config.reinitialize_lost_shards,
             recovery_grace_s=config.recovery_grace_s)
-        self._assigner = Assigner(self.state, token)
+        self._assigner = Assigner(self.state, token, cluster_token=config.token)
         incarnations = Incarnations(self.generation)
         retired = RetiredLog()
         self.runner = JobRunner(config.job, self._clock,
@@ -141,7 +144,7 @@ class Coordinator:
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
                 servicer, s),
-            interceptors=interceptors,
+            interceptors=interceptors, token=config.token,
         )
         self.address, self.port = self._daemon.address, self._daemon.port
         self._stopping = threading.Event()

@@ -43,9 +43,11 @@ class Assigner:
     """Thread-safe. Keeps one channel per server address; deliveries to one server are
     serialized (each sends the map current at that moment, so they never go backwards)."""
 
-    def __init__(self, state: CoordinatorState, token: bytes, *, timeout_s: float = 60.0):
+    def __init__(self, state: CoordinatorState, token: bytes, *, timeout_s: float = 60.0,
+                 cluster_token: str | None = None):
         self._state = state
         self._token = token
+        self._cluster_token = cluster_token  # on every call (ps_common.auth)
         self._timeout = timeout_s
         self._channels: dict[str, grpc.Channel] = {}
         self._server_locks: dict[str, threading.Lock] = {}
@@ -61,7 +63,7 @@ class Assigner:
                                   target=address)
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = make_channel(address)
+                channel = self._channels[address] = make_channel(address, self._cluster_token)
         return ps_grpc.ParameterServerStub(channel)
 
     def _server_lock(self, server_id: str) -> threading.Lock:
