@@ -85,6 +85,12 @@ def advertised_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+# While the coordinator does not answer: the longest wait between two tries, and how many
+# failed calls in a row between two log lines (the first is logged at once).
+MAX_REGISTER_BACKOFF_S = 2.0
+UNREACHABLE_LOG_EVERY = 30
+
+
 class ParameterServer:
     """A running ps-server. Start with `start()` (or `with`); `stop()` is graceful.
 
@@ -230,6 +236,7 @@ class ParameterServer:
         with make_channel(self.config.coordinator, self.config.token) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             registered = False
+            failures = 0  # calls failed in a row: the outage's length, for backoff and logs
             while not self._stop.is_set():
                 try:
                     if not registered:
@@ -251,6 +258,9 @@ class ParameterServer:
                                 evictions=t.evictions, bytes=t.nbytes)
                                 for t in self.store.table_stats()]))
                     registered = reply.known
+                    if failures:
+                        log.info("coordinator %s answers again", self.config.coordinator)
+                        failures = 0
                     for client in reply.retired:
                         self.ledger.retire(client.client_id, client.incarnation)
                         self._servicer.steps.leave(client.client_id, client.incarnation)
@@ -265,9 +275,23 @@ class ParameterServer:
                 except grpc.FutureCancelledError:
                     return  # by stop()
                 except grpc.RpcError as error:
-                    log.warning("coordinator %s: %s", self.config.coordinator, error.code().name)
+                    failures += 1
+                    if failures == 1 or failures % UNREACHABLE_LOG_EVERY == 0:
+                        # (an RpcError from a call has code() and details(); be sure anyway:
+                        # this thread must not die of its own log line)
+                        code = getattr(error, "code", lambda: None)()
+                        details = getattr(error, "details", lambda: "")()
+                        log.warning(
+                            "coordinator %s does not answer (%s: %s), %d call(s) in a row; "
+                            "retrying. Check that ps-coordinator runs there, that --coordinator "
+                            "names its address and port, and that both have the same token",
+                            self.config.coordinator, getattr(code, "name", "no answer"),
+                            details, failures)
                     registered = False
-                self._stop.wait(interval if registered else min(interval, 0.5))
+                # Unregistered: retried soon, backing off to MAX_REGISTER_BACKOFF_S while
+                # the coordinator stays away (a restarted one is found within that).
+                self._stop.wait(interval if registered and not failures else min(
+                    MAX_REGISTER_BACKOFF_S, min(interval, 0.5) * 2 ** min(failures, 8)))
 
     def _coordinator_call(self, rpc, request):
         """`rpc(request)` with a 5 s deadline, cancellable by stop(). Raises grpc.RpcError,

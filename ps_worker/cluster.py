@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--device", args.device, *passed_on), log_dir,
                 env=worker_environment(args.workers)))
             children.append(workers[-1])
+        if not args.workers:
+            progress.note(f"--workers 0: the job waits for workers you start yourself: "
+                          f"ps-worker --coordinator {address}")
         progress.note(f"{args.servers} server(s), {args.workers} worker(s): training "
                       f"{job.model} on {job.data} for {job.epochs} epoch(s)")
         if args.chaos:
@@ -500,9 +503,21 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
                     time.sleep(0.5)
                 continue
             if state == "running" and workers_gone:
-                raise ClusterError("every worker exited before the job ended; see "
-                                   f"{workers[0].log_path}")
+                raise ClusterError("every worker exited before the job ended"
+                                   f"{_last_error(workers[0])}; see {workers[0].log_path}")
             time.sleep(0.25)
+
+
+def _last_error(child: Child) -> str:
+    """': <the last error line of its log>' (what a user needs, without opening the log),
+    or '' when it logged none."""
+    try:
+        lines = child.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in lines if " ERROR " in line or line.startswith(
+        ("ps-worker:", "Traceback")) or "Error:" in line]
+    return f": {child.name}: {errors[-1].strip()}" if errors else ""
 
 
 def _stop_all(children: list[Child], wait_s: float,

@@ -243,6 +243,30 @@ def test_ps_cluster_trains_digits_and_every_process_exits_0(launch, tmp_path):
     assert processes_mentioning(str(log_dir)) == []
 
 
+def test_ps_cluster_with_no_workers_says_how_to_start_one(launch, tmp_path):
+    proc, address, _ = start_ps_cluster(launch, tmp_path, "--workers", "0")
+    deadline = time.monotonic() + READY_S
+    while "--workers 0" not in proc.stdout():
+        if proc.returncode is not None or time.monotonic() > deadline:
+            pytest.fail(f"ps-cluster --workers 0 said nothing of its workers\n{proc.logs()}")
+        time.sleep(POLL_S)
+    assert f"ps-worker --coordinator {address}" in proc.stdout()
+
+
+def test_ps_cluster_shows_why_every_worker_exited(launch, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed: --device cuda:0 can work here")
+    proc, _, _ = start_ps_cluster(launch, tmp_path, "--device", "cuda:0", "--epochs", "1")
+    assert proc.wait(JOB_S) == 1, proc.logs()
+    outcome = json.loads(proc.stdout().splitlines()[-1])
+    assert outcome["state"] == "failed"
+    # The worker's own error, not only where its log is.
+    assert "every worker exited" in outcome["error"], outcome
+    assert "--device cuda:0" in outcome["error"] and "CuPy" in outcome["error"], outcome
+
+
 def test_ps_cluster_reports_the_outcome_even_if_it_missed_the_end(launch, tmp_path):
     """ps-cluster paused (SIGSTOP: e.g. descheduled on a busy machine) across the end of the
     job still reports it: the job is done and every child exits 0."""
