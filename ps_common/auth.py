@@ -132,9 +132,15 @@ def server_interceptors(token: str | None) -> list:
     return [TokenCheck(token)] if token else []
 
 
-def warn_if_open(host: str, token: str | None, what: str) -> None:
-    """Log a warning for a daemon reachable from other hosts that checks no token."""
-    if token or host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+def warn_if_open(host: str, token: str | None, tls, what: str) -> None:
+    """Log a warning for a daemon reachable from other hosts that does not check who calls
+    (no token, no client certificates), or that takes its token in clear text (no TLS)."""
+    if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
         return
-    log.warning("%s listens on %s without a token: anyone who can reach it may read and "
-                "change the model (give it --token-file, or %s)", what, host, TOKEN_FILE_ENV)
+    if not token and (tls is None or tls.client_ca is None):
+        log.warning("%s listens on %s without a token or client certificates: anyone who "
+                    "can reach it may read and change the model (give it --token-file, or "
+                    "%s; or --tls-client-ca)", what, host, TOKEN_FILE_ENV)
+    elif tls is None:
+        log.warning("%s listens on %s without TLS: its token and the model's tensors cross "
+                    "the network in clear text (give it --tls-cert and --tls-key)", what, host)

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from ps_common.auth import TOKEN_FILE_ENV, token_from
+from ps_common.tls import TLS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -61,6 +62,37 @@ def token_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str |
     naming the flag or variable."""
     try:
         return token_from(args.token_file)
+    except ValueError as error:
+        fail(parser, str(error))
+        raise
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser, *, daemon: bool) -> None:
+    """--tls-*: TLS (ps_common.tls), on every command. A daemon serves with its certificate
+    and calls other daemons with it; a client presents one only for mutual TLS."""
+    parser.add_argument("--tls-ca", metavar="FILE",
+                        help="PEM file of the CA that signed the daemons' certificates: calls "
+                        "go over TLS and check them against it")
+    own = ("this daemon's certificate chain (PEM): it serves TLS only, and presents it when "
+           "calling other daemons" if daemon else
+           "this client's certificate (PEM), for daemons that require one (mutual TLS)")
+    parser.add_argument("--tls-cert", metavar="FILE", help=own)
+    parser.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM)")
+    if daemon:
+        parser.add_argument("--tls-client-ca", metavar="FILE",
+                            help="mutual TLS: refuse callers without a certificate signed by "
+                            "this CA (PEM)")
+
+
+def tls_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TLS | None:
+    """The TLS settings --tls-* give (None: plaintext); a bad file or combination is a usage
+    error naming the flag."""
+    try:
+        tls = TLS.from_files(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
+                             client_ca=getattr(args, "tls_client_ca", None))
+        if tls is not None and hasattr(args, "tls_client_ca"):
+            tls.check_daemon()
+        return tls
     except ValueError as error:
         fail(parser, str(error))
         raise

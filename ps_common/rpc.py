@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 import grpc
 
 from ps_common.auth import with_token
+from ps_common.tls import TLS
 
 from ps_common.clock import Clock, SystemClock
 from ps_common.status import RemoteError
@@ -71,9 +72,12 @@ SERVER_OPTIONS = [
 ]
 
 
-def make_channel(address: str, token: str | None = None) -> grpc.Channel:
-    """A channel to `address`; every call on it carries `token` (ps_common.auth) if given."""
-    return with_token(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), token)
+def make_channel(address: str, token: str | None = None, tls: TLS | None = None) -> grpc.Channel:
+    """A channel to `address`; every call on it carries `token` (ps_common.auth) if given,
+    over TLS (ps_common.tls) if `tls` is given."""
+    channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if tls is None else
+               grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS))
+    return with_token(channel, token)
 
 
 def make_server(max_workers: int = 16, interceptors=()) -> tuple[grpc.Server, futures.Executor]:
@@ -85,11 +89,14 @@ def make_server(max_workers: int = 16, interceptors=()) -> tuple[grpc.Server, fu
     return server, executor
 
 
-def bind(server: grpc.Server, host: str, port: int) -> tuple[str, int]:
-    """Bind `server` to host:port (0 = any free port); returns (address, bound port)."""
+def bind(server: grpc.Server, host: str, port: int,
+         tls: TLS | None = None) -> tuple[str, int]:
+    """Bind `server` to host:port (0 = any free port), serving TLS only if `tls` is given;
+    returns (address, bound port)."""
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(target)
+        bound = (server.add_insecure_port(target) if tls is None else
+                 server.add_secure_port(target, tls.server_credentials()))
     except RuntimeError:  # grpcio >= 1.60 raises instead of returning 0
         bound = 0
     if bound == 0:

@@ -19,9 +19,30 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ps_common.errors import Overloaded, PSError, StaleEpoch
+from ps_common.tls import HANDSHAKE_HINT, looks_like_handshake_failure
 from ps_proto.v1 import tensor_pb2
 
 log = logging.getLogger(__name__)
+
+
+def connection_hint(message: str) -> str | None:
+    """What to check when gRPC's UNAVAILABLE `message` says a connection failed for a
+    reason of TLS: a handshake that failed, or a daemon that closed the connection before
+    any call (a TLS daemon dialled without TLS, or one requiring a client certificate).
+    None for any other message."""
+    if "failed to connect" not in message:
+        return None
+    if looks_like_handshake_failure(message):
+        return HANDSHAKE_HINT
+    if "Socket closed" in message:
+        return ("the daemon closed the connection before any call: if it serves TLS, give "
+                "--tls-ca; if it requires client certificates, --tls-cert and --tls-key too")
+    return None
+
+
+def with_connection_hint(message: str) -> str:
+    hint = connection_hint(message)
+    return message if hint is None else f"{hint} (gRPC: {message})"
 
 
 def status_of(error: PSError) -> status_pb2.Status:
@@ -95,6 +116,8 @@ class RemoteError(Exception):
     def from_rpc_error(cls, error: grpc.RpcError, *, target: str = "") -> "RemoteError":
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         message = (error.details() if hasattr(error, "details") else None) or str(error)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            message = with_connection_hint(message)
         status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
         return cls._with_details(code, message, status.details if status is not None else (),
                                  target)

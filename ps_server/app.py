@@ -12,6 +12,7 @@ import grpc
 
 from ps_common import shm
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, check_chunk_bytes, make_channel
+from ps_common.tls import TLS
 from ps_common.wire import shard_to_proto, shardmap_to_proto, spec_to_proto
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_server.control import CoordinatorFence
@@ -61,6 +62,8 @@ class ServerConfig:
     # Every call to this server must carry it, and its calls to the coordinator carry it
     # (ps_common.auth); None: no token. Kept out of the repr: it is a secret.
     token: str | None = field(default=None, repr=False)
+    # Serve TLS only, and call the coordinator over TLS (ps_common.tls); None: plaintext.
+    tls: TLS | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -129,7 +132,8 @@ class ParameterServer:
                 host=config.host, port=config.port, service_names=[SERVICE_NAME],
                 add_servicers=lambda s: add_to_server(servicer, s), interceptors=interceptors,
                 max_workers=handler_threads(config.max_streams), companions=[self.streams],
-                token=config.token,
+                drain=self.streams.drain,
+                token=config.token, tls=config.tls,
             )
         except BaseException:  # e.g. the port is taken: leave no segment behind
             if self.shared is not None:
@@ -233,7 +237,8 @@ class ParameterServer:
 
     def _membership_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
-        with make_channel(self.config.coordinator, self.config.token) as channel:
+        with make_channel(self.config.coordinator, self.config.token,
+                          self.config.tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             registered = False
             failures = 0  # calls failed in a row: the outage's length, for backoff and logs

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from ps_common.cli import (
-    add_token_argument, token_of,
+    add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_shared_memory_argument, fail, parse_address, parse_bytes,
     run_until_signal, setup_logging,
 )
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long RPCs in flight may finish after SIGTERM")
     add_token_argument(p)
+    add_tls_arguments(p, daemon=True)
     return p
 
 
@@ -64,7 +65,8 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval,
             max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             checkpoint_memory_bytes=args.checkpoint_memory,
-            shared_memory=not args.no_shm, token=token_of(parser, args))
+            shared_memory=not args.no_shm, token=token_of(parser, args),
+            tls=tls_of(parser, args))
     except ValueError as error:
         fail(parser, str(error))
         raise

@@ -1,16 +1,20 @@
 """What every paramserve daemon has: a gRPC server with health and reflection, a bound
-address, and graceful shutdown (NOT_SERVING, then stop with a grace period)."""
+address, and graceful shutdown: health says NOT_SERVING (so probes and load balancers send
+nothing new) while the daemon drains the calls in flight, still answering; then it stops,
+letting what remains finish within the rest of the grace period."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ps_common.auth import server_interceptors, warn_if_open
 from ps_common.rpc import bind, make_server
+from ps_common.tls import TLS
 
 log = logging.getLogger(__name__)
 
@@ -19,27 +23,33 @@ class Daemon:
     """A started gRPC server serving `services` plus health and reflection.
 
     `add_servicers(server)` registers the daemon's own servicers; `token`: every call but
-    health's must carry it (ps_common.auth); `max_workers` sizes its
+    health's must carry it (ps_common.auth); `tls`: it serves TLS only (ps_common.tls), and
+    mutual TLS with a client CA; `max_workers` sizes its
     handler thread pool. `companions` are objects with `start()` and `stop()` that run beside
     the server (e.g. a watchdog): started after it, stopped after it has stopped, so they
-    serve its grace period too. Thread-safe `stop`.
+    serve its grace period too. `drain(timeout)`: blocks until the daemon's work in flight
+    is done or `timeout` passes (e.g. a parameter server's Pull and Push streams); the daemon
+    keeps serving meanwhile, its health NOT_SERVING. Thread-safe `stop`.
     """
 
     def __init__(self, *, host: str, port: int, service_names: list[str], add_servicers,
-                 interceptors=(), max_workers: int = 16, companions=(),
-                 token: str | None = None):
+                 interceptors=(), max_workers: int = 16, companions=(), drain=None,
+                 token: str | None = None, tls: TLS | None = None):
+        if tls is not None:
+            tls.check_daemon()
         # The token is checked first: an unauthenticated call reaches no other interceptor.
         self.server, self._executor = make_server(
             max_workers=max_workers, interceptors=[*server_interceptors(token), *interceptors])
-        warn_if_open(host, token, f"{service_names[0] if service_names else 'a daemon'}")
+        warn_if_open(host, token, tls, f"{service_names[0] if service_names else 'a daemon'}")
         self._companions = list(companions)
+        self._drain = drain
         add_servicers(self.server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self._service_names = service_names
-        self.address, self.port = bind(self.server, host, port)
+        self.address, self.port = bind(self.server, host, port, tls)
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -55,7 +65,12 @@ class Daemon:
             return
         self._stopped.set()
         self._health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait(grace_s + 1.0)
+        remaining = grace_s
+        if self._drain is not None:
+            began = time.monotonic()
+            self._drain(grace_s)
+            remaining = max(0.0, grace_s - (time.monotonic() - began))
+        self.server.stop(remaining).wait(remaining + 1.0)
         for companion in self._companions:
             companion.stop()
         self._executor.shutdown(wait=False)

@@ -28,7 +28,7 @@ import threading
 from typing import Iterator, TypeVar
 
 from ps_common.clock import Clock, SystemClock
-from ps_common.errors import Overloaded
+from ps_common.errors import NotReady, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,9 @@ class StreamLimiter:
         self._name = name
         self._clock = clock or SystemClock()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last stream ends
         self._open: set[Stream] = set()
+        self._draining = False
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -120,6 +122,9 @@ class StreamLimiter:
         delay, which PSClient honours with backoff) when all are taken."""
         stream = Stream(self, context, method)
         with self._lock:
+            if self._draining:
+                raise NotReady(f"{self._name} is stopping: it takes no new Pull or Push "
+                               "while those in flight finish (clients retry)")
             if len(self._open) >= self.max_streams:
                 full = True
             else:
@@ -135,6 +140,16 @@ class StreamLimiter:
     def _release(self, stream: Stream) -> None:
         with self._lock:
             self._open.discard(stream)
+            if not self._open:
+                self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new streams (UNAVAILABLE: clients retry) and block until the open ones
+        have ended or `timeout` passes; True if none is open. A stopping server drains while
+        its health says NOT_SERVING."""
+        with self._idle:
+            self._draining = True
+            return self._idle.wait_for(lambda: not self._open, timeout)
 
     # ---- the watchdog -------------------------------------------------------------------
 

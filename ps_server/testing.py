@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from ps_common.errors import PSError
+from ps_common.tls import TLS
 from ps_server.app import ParameterServer, ServerConfig
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.checkpointer import Interval
@@ -152,6 +153,8 @@ class InProcessCluster:
     `restart_coordinator()` replaces the coordinator with a fresh one on the same port.
     `shared_memory=False` starts the servers with --no-shm (every client then uses gRPC).
     `token`: every daemon checks it (--token-file); clients then need PSClient(token=...).
+    `tls` (ps_common.tls.TLS, with a certificate and key): every daemon serves TLS only, and
+    mutual TLS when it has a client CA; clients then need PSClient(tls_ca=...).
     With `checkpoint_dir`, the coordinator takes checkpoints there (`checkpoint()` takes one
     now; periodic ones only with `checkpoint_every`) and a restarted server gets its shards
     back from the newest one.
@@ -165,7 +168,7 @@ class InProcessCluster:
                  stream_idle_timeout_s: float | None = None,
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: Interval | None = None, shared_memory: bool = True,
-                 token: str | None = None):
+                 token: str | None = None, tls: TLS | None = None):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,
@@ -174,11 +177,11 @@ class InProcessCluster:
             reinitialize_lost_shards=reinitialize_lost_shards, server_timeout_s=server_timeout_s,
             recovery_grace_s=0.0,  # a new cluster: nothing to wait for
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None,
-            checkpoint_every=checkpoint_every, token=token)
+            checkpoint_every=checkpoint_every, token=token, tls=tls)
         self._server_kwargs = dict(
             heartbeat_interval_s=heartbeat_interval_s, allow_non_finite=allow_non_finite,
             memory_budget_bytes=memory_budget_bytes, grace_s=1.0, shared_memory=shared_memory,
-            token=token)
+            token=token, tls=tls)
         if chunk_bytes is not None:
             self._server_kwargs["chunk_bytes"] = chunk_bytes
         # None: ServerConfig's defaults (--max-streams, --stream-idle-timeout).

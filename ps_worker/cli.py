@@ -12,7 +12,8 @@ import threading
 import time
 
 from ps_common.cli import (
-    add_shared_memory_argument, add_token_argument, parse_address, setup_logging, token_of,
+    add_shared_memory_argument, add_tls_arguments, add_token_argument, parse_address,
+    setup_logging, tls_of, token_of,
 )
 from ps_common.job import JobError
 from ps_common.status import RemoteError
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "for demos and tests (default 0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_token_argument(p)
+    add_tls_arguments(p, daemon=False)
     return p
 
 
@@ -58,7 +60,7 @@ def worker_main(argv: list[str] | None = None) -> int:
                                  worker_id=args.worker_id,
                                  coordinator_timeout_s=args.coordinator_timeout,
                                  shared_memory=not args.no_shm, step_delay_s=args.step_delay,
-                                 token=token_of(parser, args)))
+                                 token=token_of(parser, args), tls=tls_of(parser, args)))
     # The worker runs on its own thread and the main thread only handles signals: a Python
     # signal handler runs on the main thread between two bytecodes, and one that set an event
     # the main thread was inside the wait of (or started a thread while it held threading's

@@ -39,6 +39,7 @@ from ps_common.shardmap import (
     EMBEDDING, Component, Shard, ShardMap, VariableSpec, rows_by_server, shard_capacity,
 )
 from ps_common.status import RemoteError
+from ps_common.tls import TLS
 from ps_common.tensors import (
     WIRE_DTYPES, StreamAssembler, TensorMeta, all_finite, array_reader, decode_chunk,
     dtype_to_proto, encode_chunk, from_wire, iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
@@ -155,6 +156,10 @@ class PSClient:
             shared memory (ps_worker.shared_memory); False: always gRPC (--no-shm).
         token: the cluster's shared token, sent on every call (ps_common.auth: daemons
             started with --token-file refuse calls without it, UNAUTHENTICATED).
+        tls_ca, tls_cert, tls_key: PEM files (ps_common.tls): with `tls_ca` every call goes
+            over TLS and the daemons' certificates are checked against it; `tls_cert` and
+            `tls_key` are this client's certificate for daemons that require one (mutual
+            TLS). `tls`: the same settings already read (ps_common.tls.TLS), instead.
     """
 
     def __init__(
@@ -171,8 +176,16 @@ class PSClient:
         allow_non_finite: bool = False,
         shared_memory: bool = True,
         token: str | None = None,
+        tls_ca: str | os.PathLike | None = None,
+        tls_cert: str | os.PathLike | None = None,
+        tls_key: str | os.PathLike | None = None,
+        tls: TLS | None = None,
     ):
         check_chunk_bytes(chunk_bytes)
+        if tls is not None and (tls_ca or tls_cert or tls_key):
+            raise ValueError("give tls or tls_ca/tls_cert/tls_key, not both")
+        if tls is None:
+            tls = TLS.from_files(ca=tls_ca, cert=tls_cert, key=tls_key)
         if max_in_flight_pushes < 1:
             raise ValueError("max_in_flight_pushes must be >= 1")
         self.coordinator = coordinator
@@ -190,7 +203,8 @@ class PSClient:
         self._lock = threading.Lock()
         self._sequences_changed = threading.Condition(self._lock)
         self._token = token  # the cluster's (ps_common.auth): on every call, never logged
-        self._coordinator_channel = make_channel(coordinator, token)
+        self._tls = tls
+        self._coordinator_channel = make_channel(coordinator, token, tls)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channel)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, _DataPath] = {}
@@ -1247,7 +1261,7 @@ class PSClient:
                 raise _local_error(grpc.StatusCode.CANCELLED, "the client was interrupted")
             stub = self._stubs.get(address)
             if stub is None:
-                channel = self._channels[address] = make_channel(address, self._token)
+                channel = self._channels[address] = make_channel(address, self._token, self._tls)
                 stub = self._stubs[address] = _DataPath(channel)
             return stub
 

@@ -24,10 +24,12 @@ from pathlib import Path
 import yaml
 
 from ps_common.cli import (
-    add_server_loss_arguments, add_shared_memory_argument, add_token_argument, token_of,
+    add_server_loss_arguments, add_shared_memory_argument, add_tls_arguments, add_token_argument,
+    tls_of, token_of,
 )
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.status import RemoteError
+from ps_common.tls import TLS
 from ps_worker.chaos import ChaosError, ChaosMonkey
 from ps_worker.chaos import plan as chaos_plan
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
@@ -272,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the coordinator and servers up after the job (until Ctrl-C)")
     add_token_argument(p)
+    add_tls_arguments(p, daemon=True)
     add_shared_memory_argument(p, "let workers and servers use shared memory (they share this "
                                "host); everything goes over gRPC")
     p.add_argument("--log-dir", help="where children's logs go (default: a new temp dir)")
@@ -313,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.chaos_seed is not None and not args.chaos:
         parser.error("--chaos-seed is for --chaos")
     token = token_of(parser, args)  # checked here; children read the same file
+    tls = tls_of(parser, args)  # the same: the files are passed on
     try:
         job = job_from_args(args) or JobSpec()
         if args.chaos and args.epochs is None and not (args.job and _names_epochs(args.job)):
@@ -349,6 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         passed_on = ["--no-shm"] if args.no_shm else []  # flags every child gets
         # Children inherit PARAMSERVE_TOKEN_FILE; a --token-file is passed on.
         passed_on += ["--token-file", args.token_file] if args.token_file else []
+        # Every child gets the daemons' TLS settings: workers present the daemons'
+        # certificate (valid as a client's too) where --tls-client-ca asks for one.
+        tls_flags = [(flag, os.path.abspath(path)) for flag, path in (
+            ("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
+            ("--tls-key", args.tls_key)) if path]
+        passed_on += [part for pair in tls_flags for part in pair]
+        client_ca = (["--tls-client-ca", os.path.abspath(args.tls_client_ca)]
+                     if args.tls_client_ca else [])
         coordinator = Child("coordinator", _python(
             "ps_server.coordinator.cli", "--port", "0", "--job", str(job_file), *hb,
             "--heartbeat-timeout", str(args.heartbeat_timeout),
@@ -360,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             *(["--reinitialize-lost-shards"] if args.reinitialize_lost_shards else []),
             *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []),
             *(["--checkpoint-every", checkpoint_every] if checkpoint_every else []),
-            *(["--keep-serving"] if args.keep_serving else []), *passed_on), log_dir)
+            *(["--keep-serving"] if args.keep_serving else []), *passed_on, *client_ca),
+            log_dir)
         children.append(coordinator)
         address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         progress.note(f"coordinator on {address}; logs in {log_dir}")
@@ -368,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.servers):  # each child is owned (stopped at exit) once it exists
             servers.append(Child(f"server-{i}", _python(
                 "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}", "--coordinator",
-                address, *hb, *passed_on), log_dir))
+                address, *hb, *passed_on, *client_ca), log_dir))
             children.append(servers[-1])
         for server in servers:
             server.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
@@ -392,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             chaos = ChaosMonkey(chaos_seed, targets, {c.name: c for c in children},
                                 clock=time.monotonic, note=progress.note)
         outcome = _monitor(address, coordinator, workers, progress, args.keep_serving, chaos,
-                           token)
+                           token, tls)
         if outcome.get("epochs") and outcome["epochs"] not in progress.reported and \
                 outcome.get("accuracy") is not None:  # the monitor missed the last status
             progress.note(epoch_line(outcome["epochs"], job.epochs, loss=outcome["loss"],
@@ -470,9 +483,9 @@ def _final_summary(coordinator: Child) -> dict | None:
 
 def _monitor(address: str, coordinator: Child, workers: list[Child], progress: Progress,
              keep_serving: bool, chaos: ChaosMonkey | None = None,
-             token: str | None = None) -> dict:
+             token: str | None = None, tls: TLS | None = None) -> dict:
     with CoordinatorClient(address, give_up_after_s=2.0, rpc_timeout_s=2.0,
-                           token=token) as client:
+                           token=token, tls=tls) as client:
         while True:
             if coordinator.returncode is not None:
                 summary = _final_summary(coordinator)

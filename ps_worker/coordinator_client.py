@@ -14,16 +14,22 @@ import grpc
 
 from ps_common.job import JobSpec
 from ps_common.rpc import RetryPolicy, call_with_retry, make_channel
-from ps_common.status import RemoteError
+from ps_common.status import RemoteError, connection_hint
+from ps_common.tls import TLS
 from ps_proto.v1 import coordinator_pb2 as pb
 from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 class CoordinatorUnreachable(ConnectionError):
     def __init__(self, address: str, seconds: float, cause: RemoteError):
+        # A connection that failed for a reason of TLS says what to check; the rest of
+        # gRPC's message names nothing the user does not know.
+        hint = connection_hint(cause.details())
+        hint = f": {hint}" if hint else ""
         super().__init__(
             f"cannot reach the coordinator at {address} (gave up after about {seconds:g} s: "
-            f"{cause.code().name}); check --coordinator and that ps-coordinator is running")
+            f"{cause.code().name}{hint}); check --coordinator and that ps-coordinator is "
+            "running")
         self.address = address
 
 
@@ -64,12 +70,13 @@ class CoordinatorClient:
     """
 
     def __init__(self, address: str, *, give_up_after_s: float = 30.0, rpc_timeout_s: float = 10.0,
-                 stop: threading.Event | None = None, token: str | None = None):
+                 stop: threading.Event | None = None, token: str | None = None,
+                 tls: TLS | None = None):
         self.address = address
         self._stop = stop
         self._give_up_after_s = give_up_after_s
         self._timeout = rpc_timeout_s
-        self._channel = make_channel(address, token)
+        self._channel = make_channel(address, token, tls)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         # ~give_up_after_s of jittered backoff capped at 1 s per try.
         self._retry = RetryPolicy(max_attempts=max(2, int(give_up_after_s / 0.75) + 1),

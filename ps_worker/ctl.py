@@ -2,6 +2,10 @@
 
     ps-ctl --coordinator HOST:PORT status [--json]
     ps-ctl --coordinator HOST:PORT checkpoint      # prints {"id": ..., "step": ...} as JSON
+    ps-ctl probe HOST:PORT                         # exit 0 when the daemon is SERVING
+    ps-ctl make-certs --out DIR [--hosts 127.0.0.1,localhost]
+
+Every command takes --token-file and the --tls-* flags of a client (ps_common.tls).
 """
 
 from __future__ import annotations
@@ -10,7 +14,15 @@ import argparse
 import json
 import sys
 
-from ps_common.cli import add_token_argument, parse_address, token_of
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ps_common.certs import DEFAULT_HOSTS, make_certs
+from ps_common.cli import (
+    add_tls_arguments, add_token_argument, fail, parse_address, tls_of, token_of,
+)
+from ps_common.rpc import make_channel
+from ps_common.tls import TLS
 from ps_common.status import RemoteError
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
 
@@ -89,10 +101,12 @@ def render(status: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ps-ctl", description="Inspect a paramserve cluster.")
-    p.add_argument("--coordinator", required=True, type=parse_address, help="coordinator HOST:PORT")
+    p.add_argument("--coordinator", type=parse_address,
+                   help="coordinator HOST:PORT (status, checkpoint)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="give up when the coordinator does not answer within this time")
     add_token_argument(p)
+    add_tls_arguments(p, daemon=False)
     sub = p.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="members, shards, job progress and metrics")
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -103,19 +117,66 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
                             metavar="SECONDS", help="as the --timeout before the command "
                             "(default for checkpoint: 600)")
+    probe = sub.add_parser("probe", help="ask a daemon's gRPC health service whether it "
+                           "serves: exit 0 when SERVING, 1 otherwise (for container and "
+                           "Kubernetes probes, over TLS where native gRPC probes cannot go)")
+    probe.add_argument("address", type=parse_address, help="the daemon's HOST:PORT")
+    probe.add_argument("--service", default="",
+                       help="the service to ask about (default: the whole daemon)")
+    probe.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+                       help="as the --timeout before the command")
+    certs = sub.add_parser("make-certs", help="write a throwaway CA and a server and a client "
+                           "certificate with keys, for trying TLS (ca.pem, server.pem, "
+                           "server-key.pem, client.pem, client-key.pem)")
+    certs.add_argument("--out", required=True, metavar="DIR",
+                       help="directory to write them into (created; must not hold them yet)")
+    certs.add_argument("--hosts", default=",".join(DEFAULT_HOSTS),
+                       help="comma-separated names and IP addresses the server certificate "
+                       "is valid for: every address clients dial (default %(default)s)")
+    certs.add_argument("--days", type=int, default=365,
+                       help="how long the certificates are valid (default %(default)s)")
     return p
+
+
+def _probe(address: str, service: str, timeout_s: float, tls: TLS | None) -> int:
+    with make_channel(address, tls=tls) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError as error:
+            print(f"ps-ctl probe {address}: {RemoteError.from_rpc_error(error)}",
+                  file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "make-certs":
+        if args.days < 1:
+            fail(parser, f"--days {args.days}: must be at least 1")
+        try:
+            written = make_certs(args.out, args.hosts.split(","), days=args.days)
+        except ValueError as error:
+            fail(parser, str(error))
+        print("\n".join(str(path) for path in written))
+        return 0
     token = token_of(parser, args)
+    tls = tls_of(parser, args)
+    if args.command == "probe":
+        return _probe(args.address, args.service, args.timeout, tls)
+    if args.coordinator is None:
+        fail(parser, f"{args.command}: needs --coordinator HOST:PORT")
     given = argv if argv is not None else sys.argv[1:]
     if args.command == "checkpoint" and not any(a.startswith("--timeout") for a in given):
         args.timeout = 600.0  # writing a large model takes a while
     try:
         with CoordinatorClient(args.coordinator, give_up_after_s=args.timeout,
-                               rpc_timeout_s=args.timeout, token=token) as coordinator:
+                               rpc_timeout_s=args.timeout, token=token,
+                               tls=tls) as coordinator:
             if args.command == "checkpoint":
                 print(json.dumps(coordinator.checkpoint()))
                 return 0

@@ -31,6 +31,7 @@ from ps_common.rows import dedup
 from ps_common.rpc import RetryPolicy
 from ps_common.shardmap import Component, VariableSpec
 from ps_common.status import RemoteError
+from ps_common.tls import TLS
 from ps_worker.backend import ArrayBackend, select_backend
 from ps_worker.client import PSClient
 from ps_worker.coordinator_client import (
@@ -77,6 +78,8 @@ class WorkerConfig:
     step_delay_s: float = 0.0
     # The cluster's token, on every call (ps_common.auth); kept out of the repr: a secret.
     token: str | None = dataclasses.field(default=None, repr=False)
+    # Call the cluster over TLS (ps_common.tls); None: plaintext.
+    tls: TLS | None = None
 
 
 @dataclass
@@ -383,7 +386,7 @@ class Worker:
         self._job_over = threading.Event()
         self._coordinator = CoordinatorClient(
             config.coordinator, give_up_after_s=config.coordinator_timeout_s, stop=self._stop,
-            token=config.token)
+            token=config.token, tls=config.tls)
         self._client: PSClient | None = None  # the incarnation's PSClient, to interrupt
         self._client_lock = threading.Lock()
         self._incarnation = 0
@@ -479,7 +482,8 @@ class Worker:
                       incarnation=self._incarnation, retry=SERVER_OUTAGE_RETRY,
                       max_in_flight_pushes=self.config.max_in_flight_pushes,
                       shared_memory=self.config.shared_memory
-                      and trainer.job.shared_memory, token=self.config.token) as ps:
+                      and trainer.job.shared_memory, token=self.config.token,
+                      tls=self.config.tls) as ps:
             self._watch_client(ps)
             ps.declare_many(trainer.specs)
             while True:

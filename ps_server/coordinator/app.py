@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ps_common.clock import Clock, SystemClock
 from ps_common.job import JobSpec
+from ps_common.tls import TLS
 from ps_proto.v1 import coordinator_pb2_grpc
 from ps_server.coordinator.assigner import Assigner
 from ps_server.coordinator.checkpointer import Catalog, Checkpointer, Interval, run_periodically
@@ -60,6 +61,8 @@ class CoordinatorConfig:
     # Every call to the coordinator must carry it, and its calls to servers carry it
     # (ps_common.auth); None: no token. Kept out of the repr: it is a secret.
     token: str | None = field(default=None, repr=False)
+    # Serve TLS only, and call servers over TLS (ps_common.tls); None: plaintext.
+    tls: TLS | None = None
 
     @property
     def state_path(self) -> Path | None:
@@ -109,7 +112,8 @@ class Coordinator:
             server_timeout_s=config.server_timeout_s,
             reinitialize_lost=config.reinitialize_lost_shards,
             recovery_grace_s=config.recovery_grace_s)
-        self._assigner = Assigner(self.state, token, cluster_token=config.token)
+        self._assigner = Assigner(self.state, token, cluster_token=config.token,
+                                  cluster_tls=config.tls)
         incarnations = Incarnations(self.generation)
         retired = RetiredLog()
         self.runner = JobRunner(config.job, self._clock,
@@ -144,7 +148,7 @@ class Coordinator:
             host=config.host, port=config.port, service_names=[SERVICE_NAME],
             add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
                 servicer, s),
-            interceptors=interceptors, token=config.token,
+            interceptors=interceptors, token=config.token, tls=config.tls,
         )
         self.address, self.port = self._daemon.address, self._daemon.port
         self._stopping = threading.Event()

@@ -20,6 +20,7 @@ from ps_common.errors import CheckpointFailed, NotReady
 from ps_common.rpc import make_channel
 from ps_common.shardmap import Shard
 from ps_common.status import RemoteError
+from ps_common.tls import TLS
 from ps_common.wire import shard_from_proto, shardmap_to_proto
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
@@ -44,10 +45,11 @@ class Assigner:
     serialized (each sends the map current at that moment, so they never go backwards)."""
 
     def __init__(self, state: CoordinatorState, token: bytes, *, timeout_s: float = 60.0,
-                 cluster_token: str | None = None):
+                 cluster_token: str | None = None, cluster_tls: TLS | None = None):
         self._state = state
         self._token = token
         self._cluster_token = cluster_token  # on every call (ps_common.auth)
+        self._cluster_tls = cluster_tls  # ps_common.tls
         self._timeout = timeout_s
         self._channels: dict[str, grpc.Channel] = {}
         self._server_locks: dict[str, threading.Lock] = {}
@@ -63,7 +65,8 @@ class Assigner:
                                   target=address)
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = make_channel(address, self._cluster_token)
+                channel = self._channels[address] = make_channel(
+                    address, self._cluster_token, self._cluster_tls)
         return ps_grpc.ParameterServerStub(channel)
 
     def _server_lock(self, server_id: str) -> threading.Lock:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ps_common.cli import (
-    add_token_argument, token_of,
+    add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_server_loss_arguments, add_shared_memory_argument, fail,
     parse_bytes, run_until_signal, setup_logging,
 )
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-serving", action="store_true",
                    help="keep servers and the coordinator up after the job ends")
     add_token_argument(p)
+    add_tls_arguments(p, daemon=True)
     add_job_arguments(p)
     return p
 
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_dir=args.checkpoint_dir or (Path(job.checkpoint_dir)
                                                    if job and job.checkpoint_dir else None),
             checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-            state_dir=args.state_dir, token=token_of(parser, args))
+            state_dir=args.state_dir, token=token_of(parser, args),
+            tls=tls_of(parser, args))
     except ValueError as error:
         fail(parser, str(error))
         raise
