@@ -132,3 +132,41 @@ def test_a_bad_token_file_is_refused_naming_the_flag_or_the_variable(module, tmp
                             capture_output=True, text=True, timeout=WAIT_S, env=env)
     assert by_env.returncode != 0 and TOKEN_FILE_ENV in by_env.stderr, by_env.stderr
     assert "empty" in by_env.stderr
+
+
+class _RecordReplies(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, replies: list[bytes]):
+        self._replies = replies
+
+    def intercept_unary_unary(self, continuation, details, request):
+        outcome = continuation(details, request)
+        if outcome.exception() is None:
+            self._replies.append(outcome.result().SerializeToString())
+        return outcome
+
+
+def test_the_coordinator_hands_no_secret_to_a_client(cluster, monkeypatch):
+    """Whatever a client asks the coordinator (register, the shard map, status), no reply
+    carries the cluster's token or the control token that lets the coordinator command the
+    servers."""
+    from ps_common import rpc
+    from ps_worker import client as client_module, coordinator_client
+
+    replies: list[bytes] = []
+
+    def recording_channel(address, token=None, tls=None):
+        return grpc.intercept_channel(rpc.make_channel(address, token, tls),
+                                      _RecordReplies(replies))
+
+    monkeypatch.setattr(client_module, "make_channel", recording_channel)
+    monkeypatch.setattr(coordinator_client, "make_channel", recording_channel)
+    with PSClient(cluster.coordinator_address, token=TOKEN) as ps:
+        ps.declare("secretless", shape=(4,), init="zeros")
+        ps.pull("secretless")
+    with CoordinatorClient(cluster.coordinator_address, token=TOKEN) as client:
+        client.status()
+    assert len(replies) >= 3
+    control_token = cluster.servers[0].fence._token
+    assert control_token
+    for reply in replies:
+        assert TOKEN.encode() not in reply and control_token not in reply
