@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-threshold", default="64MiB")
     add_server_loss_arguments(p)
     p.add_argument("--keep-serving", action="store_true",
-                   help="keep the coordinator and servers up after the job (until Ctrl-C)")
+                   help="keep the coordinator and servers up after the job, until Ctrl-C, "
+                   "so the model stays readable (workers exit when the job ends)")
     add_token_argument(p)
     add_tls_arguments(p, daemon=True)
     add_shared_memory_argument(p, "let workers and servers use shared memory (they share this "

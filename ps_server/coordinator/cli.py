@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_memory_argument(p, "let the job's workers use shared memory with servers on "
                                "their host (the job key shared_memory: false); all use gRPC")
     p.add_argument("--keep-serving", action="store_true",
-                   help="keep servers and the coordinator up after the job ends")
+                   help="keep the coordinator and the servers up after the job ends, so the "
+                   "model stays readable (workers exit when the job ends)")
     add_token_argument(p)
     add_tls_arguments(p, daemon=True)
     add_job_arguments(p)
