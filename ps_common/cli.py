@@ -9,9 +9,13 @@ import logging
 import re
 import signal
 import sys
+from typing import Mapping
 
 from ps_common.auth import TOKEN_FILE_ENV, token_from
+from ps_common.tf_config import TF_CONFIG_ENV, Task, TFConfigError, task_for
 from ps_common.tls import TLS
+
+DEFAULT_HOST = "127.0.0.1"
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -36,10 +40,12 @@ def parse_address(text: str) -> str:
 
 
 def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
-    """--host, --port and --log-level: what every ps-* daemon takes."""
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 = any free port")
+    """--host, --port and --log-level: what every ps-* daemon takes. --host and --port
+    default to None, so that a command can tell whether they were given (bind_of)."""
+    parser.add_argument("--host", help=f"interface to bind (default {DEFAULT_HOST}, or what "
+                        f"{TF_CONFIG_ENV} says; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, help=f"port to bind; 0 = any free port (default "
+                        f"0, or the port of this task's entry in {TF_CONFIG_ENV})")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
 
@@ -96,6 +102,39 @@ def tls_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TLS | N
     except ValueError as error:
         fail(parser, str(error))
         raise
+
+
+def tf_config_task(parser: argparse.ArgumentParser, args: argparse.Namespace, command: str,
+                   address_flags: tuple[str, ...],
+                   environ: Mapping[str, str]) -> Task | None:
+    """What TF_CONFIG (ps_common.tf_config) in `environ` gives `command`, or None: when it is
+    unset or empty, or when any of `address_flags` (attribute names of `args`) was given.
+    Flags win, and then TF_CONFIG is not read at all. A malformed TF_CONFIG, or one whose
+    task is another command's, is a usage error naming TF_CONFIG."""
+    text = environ.get(TF_CONFIG_ENV, "")
+    if not text.strip():
+        return None
+    log = logging.getLogger(parser.prog)
+    given = [f"--{name.replace('_', '-')}" for name in address_flags
+             if getattr(args, name) is not None]
+    if given:
+        log.info("%s is set, but %s given: the flags say where this process is, and %s is not "
+                 "read", TF_CONFIG_ENV, ", ".join(given), TF_CONFIG_ENV)
+        return None
+    try:
+        task = task_for(command, text)
+    except TFConfigError as error:
+        fail(parser, str(error))
+        raise
+    log.info("%s", task.describe())
+    return task
+
+
+def bind_of(args: argparse.Namespace, task: Task | None) -> tuple[str, int]:
+    """(host, port) a daemon binds: the flags, else its TF_CONFIG entry, else the defaults."""
+    host = args.host if args.host is not None else (task.bind_host if task else DEFAULT_HOST)
+    port = args.port if args.port is not None else (task.port if task else 0)
+    return host, port
 
 
 def add_server_loss_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from typing import Mapping
 
 from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
-    add_daemon_arguments, add_shared_memory_argument, fail, parse_address, parse_bytes,
-    run_until_signal, setup_logging,
+    add_daemon_arguments, add_shared_memory_argument, bind_of, fail, parse_address,
+    parse_bytes, run_until_signal, setup_logging, tf_config_task,
 )
 from ps_common.rpc import DEFAULT_CHUNK_BYTES
+from ps_common.tf_config import SERVER, TF_CONFIG_ENV, Task
 from ps_server.app import ParameterServer, ServerConfig
 
 log = logging.getLogger("ps-server")
@@ -20,13 +23,16 @@ log = logging.getLogger("ps-server")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-server", description="Hold shards of variables in CPU memory and apply the "
-        "optimizer to pushed gradients.")
+        "optimizer to pushed gradients. Without --host, --port, --advertise-address and "
+        f"--coordinator, a {TF_CONFIG_ENV} whose task is a 'ps' gives them (and --server-id "
+        "ps-INDEX).")
     add_daemon_arguments(p)
     p.add_argument("--advertise-address", type=parse_address, metavar="HOST:PORT",
                    help="address others use to reach this server (default: the bound address, "
-                   "or HOSTNAME:PORT when --host is 0.0.0.0)")
-    p.add_argument("--server-id", help="stable id of this server (default: its address); a "
-                   "restarted server must keep its id")
+                   f"or HOSTNAME:PORT when --host is 0.0.0.0; with {TF_CONFIG_ENV}, its entry "
+                   "in cluster.ps)")
+    p.add_argument("--server-id", help="stable id of this server (default: its address; with "
+                   f"{TF_CONFIG_ENV}, ps-INDEX); a restarted server must keep its id")
     p.add_argument("--coordinator", type=parse_address, help="coordinator HOST:PORT to register with")
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes of values + optimizer slots this server may hold (default: 70%% "
@@ -55,18 +61,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConfig:
+# Given any of these, ps-server does not read TF_CONFIG.
+ADDRESS_FLAGS = ("host", "port", "advertise_address", "coordinator")
+
+
+def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The server's config from its flags, and from TF_CONFIG in `environ` (default: this
+    process's environment) when no address flag was given."""
+    return config_and_task(parser, args, environ)[0]
+
+
+def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    environ: Mapping[str, str] | None = None
+                    ) -> tuple[ServerConfig, Task | None]:
+    """`config_from_args`, with the TF_CONFIG task it used (None: the flags alone)."""
+    task = tf_config_task(parser, args, SERVER, ADDRESS_FLAGS,
+                          os.environ if environ is None else environ)
+    host, port = bind_of(args, task)
     try:
         return ServerConfig(
-            host=args.host, port=args.port, server_id=args.server_id,
-            advertise_address=args.advertise_address,
-            coordinator=args.coordinator, memory_budget_bytes=args.memory_budget,
+            host=host, port=port, server_id=args.server_id or (task.name if task else None),
+            advertise_address=args.advertise_address or (task.address if task else None),
+            coordinator=args.coordinator or (task.coordinator if task else None),
+            memory_budget_bytes=args.memory_budget,
             chunk_bytes=args.chunk_bytes, allow_non_finite=args.allow_non_finite,
             grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval,
             max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             checkpoint_memory_bytes=args.checkpoint_memory,
             shared_memory=not args.no_shm, token=token_of(parser, args),
-            tls=tls_of(parser, args))
+            tls=tls_of(parser, args)), task
     except ValueError as error:
         fail(parser, str(error))
         raise
@@ -76,11 +100,13 @@ def server_main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    config = config_from_args(parser, args)
+    config, task = config_and_task(parser, args)
     try:
         server = ParameterServer(config).start()
     except OSError as error:
-        print(f"ps-server: --host/--port: {error}", file=sys.stderr)
+        where = (f"{TF_CONFIG_ENV} (cluster.ps[{task.index}] {task.address})" if task
+                 else "--host/--port")
+        print(f"ps-server: {where}: {error}", file=sys.stderr)
         return 1
     def announce():
         print(f"ps-server {server.server_id} listening on {server.bound_address}", flush=True)

@@ -1,5 +1,6 @@
-"""`ps-worker`: a generic training worker. It needs only the coordinator's address: the job
-(model, data, optimizer, epochs, ...) comes from the coordinator when it registers."""
+"""`ps-worker`: a generic training worker. It needs only the coordinator's address (--coordinator,
+or a TF_CONFIG whose task is a worker): the job (model, data, optimizer, epochs, ...) comes
+from the coordinator when it registers."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import signal
 import sys
 import threading
 import time
+from typing import Mapping
 
 from ps_common.cli import (
     add_shared_memory_argument, add_tls_arguments, add_token_argument, parse_address,
-    setup_logging, tls_of, token_of,
+    setup_logging, tf_config_task, tls_of, token_of,
 )
 from ps_common.job import JobError
+from ps_common.tf_config import TF_CONFIG_ENV, WORKER
 from ps_common.status import RemoteError
 from ps_worker.backend import BackendUnavailable
 from ps_worker.coordinator_client import CoordinatorUnreachable
@@ -26,10 +29,13 @@ log = logging.getLogger("ps-worker")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ps-worker", description="Train on a paramserve cluster.")
-    p.add_argument("--coordinator", required=True, type=parse_address, help="coordinator HOST:PORT")
+    p.add_argument("--coordinator", type=parse_address,
+                   help=f"coordinator HOST:PORT (default: cluster.chief of {TF_CONFIG_ENV}, "
+                   "whose task must then be a worker)")
     p.add_argument("--device", default="auto",
                    help="auto (CuPy on a GPU if present, else NumPy) | cpu | cuda:N")
-    p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID)")
+    p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID; with "
+                   f"{TF_CONFIG_ENV}, worker-INDEX)")
     p.add_argument("--coordinator-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="give up when the coordinator is unreachable this long (default 30)")
     add_shared_memory_argument(p, "pull and push through shared memory with servers on this "
@@ -46,21 +52,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def worker_main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     environ: Mapping[str, str] | None = None) -> WorkerConfig:
+    """The worker's config from its flags, and from TF_CONFIG in `environ` (default: this
+    process's environment) when --coordinator was not given."""
     if args.device != "auto" and args.device != "cpu" and not args.device.startswith("cuda"):
         parser.error(f"--device {args.device!r}: expected auto, cpu or cuda:N")
     if not args.grace >= 0:
         parser.error(f"--grace {args.grace}: must be >= 0")
     if not 0 <= args.step_delay < float("inf"):
         parser.error(f"--step-delay {args.step_delay}: must be a number of seconds >= 0")
-    worker = Worker(WorkerConfig(coordinator=args.coordinator, device=args.device,
-                                 worker_id=args.worker_id,
-                                 coordinator_timeout_s=args.coordinator_timeout,
-                                 shared_memory=not args.no_shm, step_delay_s=args.step_delay,
-                                 token=token_of(parser, args), tls=tls_of(parser, args)))
+    task = tf_config_task(parser, args, WORKER, ("coordinator",),
+                          os.environ if environ is None else environ)
+    if args.coordinator is None and task is None:
+        parser.error(f"--coordinator is required (or a {TF_CONFIG_ENV} naming the coordinator "
+                     "as cluster.chief, whose task is a worker)")
+    return WorkerConfig(coordinator=args.coordinator or task.coordinator, device=args.device,
+                        worker_id=args.worker_id or (task.name if task else None),
+                        coordinator_timeout_s=args.coordinator_timeout,
+                        shared_memory=not args.no_shm, step_delay_s=args.step_delay,
+                        token=token_of(parser, args), tls=tls_of(parser, args))
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    config = config_from_args(parser, args)
+    worker = Worker(config)
     # The worker runs on its own thread and the main thread only handles signals: a Python
     # signal handler runs on the main thread between two bytecodes, and one that set an event
     # the main thread was inside the wait of (or started a thread while it held threading's
@@ -78,7 +97,7 @@ def worker_main(argv: list[str] | None = None) -> int:
 
     def run():
         try:
-            outcome["code"] = _run(worker, args)
+            outcome["code"] = _run(worker, args, config)
         except BaseException as error:  # noqa: BLE001 - raised again on the main thread
             outcome["error"] = error
 
@@ -96,13 +115,14 @@ def worker_main(argv: list[str] | None = None) -> int:
     return outcome["code"]
 
 
-def _run(worker: Worker, args: argparse.Namespace) -> int:
+def _run(worker: Worker, args: argparse.Namespace, config: WorkerConfig) -> int:
     try:
         return worker.run()
     except BackendUnavailable as error:
         print(f"ps-worker: --device {args.device}: {error}", file=sys.stderr)
     except CoordinatorUnreachable as error:
-        print(f"ps-worker: --coordinator {args.coordinator}: {error}", file=sys.stderr)
+        where = "--coordinator" if args.coordinator else f"{TF_CONFIG_ENV} cluster.chief"
+        print(f"ps-worker: {where} {config.coordinator}: {error}", file=sys.stderr)
     except (JobError, ValueError) as error:
         print(f"ps-worker: the job cannot run here: {error}", file=sys.stderr)
     except RemoteError as error:

@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             # --chaos restarts too: the first server back reports the whole shard map, and
             # nothing is placed while a server named in it is not back.
             "--recovery-grace", "0", "--server-timeout", str(args.server_timeout),
+            # The first variables are spread over every server it starts.
+            "--expect-servers", str(args.servers),
             *(["--reinitialize-lost-shards"] if args.reinitialize_lost_shards else []),
             *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []),
             *(["--checkpoint-every", checkpoint_every] if checkpoint_every else []),

@@ -50,6 +50,10 @@ class CoordinatorConfig:
     # shards from a previous coordinator have reported them first (they heartbeat every
     # second). 0 for a coordinator known to start a new cluster.
     recovery_grace_s: float = 3.0
+    # New variables are placed only once this many servers have registered (once reached, it
+    # no longer matters): the first variables are spread over the whole cluster, not over
+    # whichever servers came first.
+    expected_servers: int = 1
     # Checkpoints of every shard go here (a directory every server can reach); None: no
     # checkpoints, and a server that restarts has lost its values.
     checkpoint_dir: Path | None = None
@@ -80,6 +84,8 @@ class CoordinatorConfig:
                 f"--heartbeat-interval {self.heartbeat_interval_s}")
         if self.recovery_grace_s < 0:
             raise ValueError(f"--recovery-grace {self.recovery_grace_s} must be >= 0")
+        if self.expected_servers < 1:
+            raise ValueError(f"--expect-servers {self.expected_servers} must be >= 1")
         if self.server_timeout_s <= 0:
             raise ValueError(f"--server-timeout {self.server_timeout_s} must be > 0")
         if self.split_threshold_bytes < 1:
@@ -111,7 +117,7 @@ class Coordinator:
             split_threshold_bytes=config.split_threshold_bytes, generation=self.generation,
             server_timeout_s=config.server_timeout_s,
             reinitialize_lost=config.reinitialize_lost_shards,
-            recovery_grace_s=config.recovery_grace_s)
+            recovery_grace_s=config.recovery_grace_s, expected_servers=config.expected_servers)
         self._assigner = Assigner(self.state, token, cluster_token=config.token,
                                   cluster_tls=config.tls)
         incarnations = Incarnations(self.generation)

@@ -6,15 +6,18 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
-    add_daemon_arguments, add_server_loss_arguments, add_shared_memory_argument, fail,
-    parse_bytes, run_until_signal, setup_logging,
+    add_daemon_arguments, add_server_loss_arguments, add_shared_memory_argument, bind_of,
+    fail, parse_bytes, run_until_signal, setup_logging, tf_config_task,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
+from ps_common.tf_config import COORDINATOR, TF_CONFIG_ENV, Task
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.checkpointer import Interval
 
@@ -33,7 +36,8 @@ def checkpoint_interval(text: str) -> Interval | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-coordinator", description="Coordinate a paramserve cluster: servers register "
-        "here, variables are declared and placed here.")
+        "here, variables are declared and placed here. Without --host and --port, a "
+        f"{TF_CONFIG_ENV} whose task is the chief gives them (and --expect-servers).")
     add_daemon_arguments(p)
     p.add_argument("--split-threshold", type=parse_bytes, default=64 * 1024 * 1024,
                    help="variables larger than this are split by rows over several servers "
@@ -46,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="place no new variable this long after start, so that servers of a "
                    "previous coordinator report their shards first (default 3; 0 for a new "
                    "cluster)")
+    p.add_argument("--expect-servers", type=int, metavar="N",
+                   help="place no variable before N servers have registered, so that the "
+                   "first variables are spread over all of them (default 1; with "
+                   f"{TF_CONFIG_ENV}, the number of entries in cluster.ps)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                    help="take checkpoints of every shard here (a directory every server can "
@@ -71,10 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+# Given either of these, ps-coordinator does not read TF_CONFIG.
+ADDRESS_FLAGS = ("host", "port")
+
+
+def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    environ: Mapping[str, str] | None = None
+                    ) -> tuple[CoordinatorConfig, Task | None]:
+    """The coordinator's config from its flags (the job from --job and the job flags), and
+    from TF_CONFIG in `environ` (default: this process's environment) when neither --host nor
+    --port was given; with the TF_CONFIG task it used (None: the flags alone)."""
     try:
         job = job_from_args(args)
     except JobError as error:
@@ -84,15 +98,20 @@ def main(argv: list[str] | None = None) -> int:
         if job is None:
             fail(parser, "--no-shm applies to the job's workers: give a job (--job or job flags)")
         job = dataclasses.replace(job, shared_memory=False)
+    task = tf_config_task(parser, args, COORDINATOR, ADDRESS_FLAGS,
+                          os.environ if environ is None else environ)
+    host, port = bind_of(args, task)
+    expected_servers = args.expect_servers if args.expect_servers is not None else (
+        task.servers if task else 1)
     try:
         config = CoordinatorConfig(
             job=job, keep_serving=args.keep_serving,
-            host=args.host, port=args.port, heartbeat_interval_s=args.heartbeat_interval,
+            host=host, port=port, heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
             split_threshold_bytes=args.split_threshold, grace_s=args.grace,
             server_timeout_s=args.server_timeout,
             reinitialize_lost_shards=args.reinitialize_lost_shards,
-            recovery_grace_s=args.recovery_grace,
+            recovery_grace_s=args.recovery_grace, expected_servers=expected_servers,
             checkpoint_dir=args.checkpoint_dir or (Path(job.checkpoint_dir)
                                                    if job and job.checkpoint_dir else None),
             checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
@@ -101,11 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         fail(parser, str(error))
         raise
+    return config, task
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    config, task = config_and_task(parser, args)
+    job = config.job
+    if task is not None and task.workers and job is None:
+        log.warning("%s lists %d worker(s) but no job was given (--job or job flags): "
+                    "ps-worker processes will find no job to run", TF_CONFIG_ENV, task.workers)
     try:
         coordinator = Coordinator(config, on_job_over=lambda summary: print(
             f"ps-coordinator finished: {json.dumps(summary)}", flush=True)).start()
     except OSError as error:
-        print(f"ps-coordinator: --host/--port: {error}", file=sys.stderr)
+        where = f"{TF_CONFIG_ENV} (cluster.chief {task.address})" if task else "--host/--port"
+        print(f"ps-coordinator: {where}: {error}", file=sys.stderr)
         return 1
     def announce():
         print(f"ps-coordinator listening on {coordinator.address}", flush=True)

@@ -107,12 +107,15 @@ class CoordinatorState:
     every second or so) have reported what they hold before anything could be placed over
     it. `server_timeout_s`: how long a server holding shards may stay
     away before its shards count as lost. `reinitialize_lost`: re-create lost shards from
-    their initializers instead of failing (the user opted in).
+    their initializers instead of failing (the user opted in). `expected_servers`: no new
+    variable is placed before that many servers are alive at once; from then on, any number
+    will do (the first variables are spread over the cluster it was told to expect).
     """
 
     def __init__(self, clock: Clock, *, heartbeat_timeout_s: float, split_threshold_bytes: int,
                  generation: int = 0, server_timeout_s: float = 60.0,
-                 reinitialize_lost: bool = False, recovery_grace_s: float = 0.0):
+                 reinitialize_lost: bool = False, recovery_grace_s: float = 0.0,
+                 expected_servers: int = 1):
         self._clock = clock
         self._timeout = heartbeat_timeout_s
         self._split_threshold = split_threshold_bytes
@@ -120,6 +123,8 @@ class CoordinatorState:
         self._server_timeout = server_timeout_s
         self._reinitialize_lost = reinitialize_lost
         self._recovery_grace = recovery_grace_s
+        self._expected_servers = expected_servers
+        self._expected_servers_seen = expected_servers <= 1  # set once; under _lock
         self._started = clock.monotonic()
         self._servers: dict[str, ServerMember] = {}
         self._map = replace(EMPTY_MAP, epoch=first_number(generation))
@@ -582,9 +587,10 @@ class CoordinatorState:
     def declare(self, specs: list[VariableSpec]) -> ShardMap:
         """Add the new variables among `specs` to the map; identical redeclarations are
         no-ops; a different spec under a known name raises SpecConflict naming both.
-        Raises NotReady during the recovery grace period and while servers of a recovered
-        map are still awaited, if the request adds variables (one of them may hold those);
-        DataLost after a data loss."""
+        Raises NotReady during the recovery grace period, while servers of a recovered
+        map are still awaited, if the request adds variables (one of them may hold those),
+        and until `expected_servers` servers have been alive at once; DataLost after a data
+        loss."""
         return self.declare_new(specs)[0]
 
     def declare_new(self, specs: list[VariableSpec]) -> tuple[ShardMap, list[str]]:
@@ -625,6 +631,13 @@ class CoordinatorState:
                     f"waiting for server(s) {', '.join(sorted(self._recovery.awaiting))} to "
                     "register again after the coordinator restarted (they may hold these "
                     "variables); retry")
+            if not self._expected_servers_seen:
+                if len(candidates) < self._expected_servers:
+                    raise NotReady(
+                        f"{len(candidates)} of the {self._expected_servers} parameter servers "
+                        "this coordinator expects are registered (--expect-servers): new "
+                        "variables are placed once all of them are; retry")
+                self._expected_servers_seen = True
             candidates = [c for c in candidates if c.server_id not in self._frozen]
             placed = place(self._map, new, candidates,
                            split_threshold_bytes=self._split_threshold)
