@@ -18,6 +18,7 @@ from ps_common.job import JobError
 from ps_common.status import RemoteError
 from ps_worker.backend import BackendUnavailable
 from ps_worker.coordinator_client import CoordinatorUnreachable
+from ps_worker.models.registry import find_models_in
 from ps_worker.runtime import Worker, WorkerConfig
 
 log = logging.getLogger("ps-worker")
@@ -54,6 +55,9 @@ def worker_main(argv: list[str] | None = None) -> int:
         parser.error(f"--grace {args.grace}: must be >= 0")
     if not 0 <= args.step_delay < float("inf"):
         parser.error(f"--step-delay {args.step_delay}: must be a number of seconds >= 0")
+    # A job's `--model mymodule:Model` may name a module in the directory the worker was
+    # started from, as it would with `python -m` or PYTHONPATH=. (before any thread starts).
+    find_models_in(os.getcwd())
     worker = Worker(WorkerConfig(coordinator=args.coordinator, device=args.device,
                                  worker_id=args.worker_id,
                                  coordinator_timeout_s=args.coordinator_timeout,
