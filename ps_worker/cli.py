@@ -18,10 +18,11 @@ from ps_common.cli import (
     setup_logging, tf_config_task, tls_of, token_of,
 )
 from ps_common.job import JobError
-from ps_common.tf_config import TF_CONFIG_ENV, WORKER
 from ps_common.status import RemoteError
+from ps_common.tf_config import TF_CONFIG_ENV, WORKER
 from ps_worker.backend import BackendUnavailable
 from ps_worker.coordinator_client import CoordinatorUnreachable
+from ps_worker.models.registry import find_models_in
 from ps_worker.runtime import Worker, WorkerConfig
 
 log = logging.getLogger("ps-worker")
@@ -79,6 +80,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     config = config_from_args(parser, args)
+    # A job's `--model mymodule:Model` may name a module in the directory the worker was
+    # started from, as it would with `python -m` or PYTHONPATH=. (before any thread starts).
+    find_models_in(os.getcwd())
     worker = Worker(config)
     # The worker runs on its own thread and the main thread only handles signals: a Python
     # signal handler runs on the main thread between two bytecodes, and one that set an event

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from ps_common.cli import (
     tls_of, token_of,
 )
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
+from ps_common.progress import epoch_line
 from ps_common.status import RemoteError
 from ps_common.tls import TLS
 from ps_worker.chaos import ChaosError, ChaosMonkey
@@ -42,6 +44,8 @@ CHAOS_CHECKPOINT_EVERY = "20steps"
 # about as long as the whole default 10-epoch job over shared memory: a --chaos job given
 # no epochs (by flag or job file) runs this many, so that it outlasts them.
 CHAOS_EPOCHS = 30
+# Piped progress (not a terminal): a line at least this often while an epoch runs.
+PIPED_INTERVAL_S = 10.0
 
 
 class ClusterError(RuntimeError):
@@ -204,60 +208,101 @@ def _on_port(argv: list[str], port: str) -> list[str]:
     return [*argv[:i + 1], port, *argv[i + 2:]]
 
 
-def epoch_line(epoch: int, epochs: int, *, loss: float, accuracy: float, test_accuracy: float,
-               test_auc: float | None, steps: int) -> str:
-    """The line shown once an epoch is evaluated; held-out AUC where the model gives scores."""
-    auc = f"  test_auc {test_auc:.4f} (chance 0.5)" if test_auc is not None else ""
-    return (f"epoch {epoch}/{epochs}  loss {loss:.4f}  accuracy {accuracy:.4f}  held-out "
-            f"accuracy {test_accuracy:.4f}{auc}  steps {steps}")
-
-
 class Progress:
-    """A bar per epoch on a terminal; plain lines (one per finished epoch) otherwise."""
+    """What ps-cluster shows while the job runs, from the coordinator's status.
 
-    def __init__(self, stream, epochs: int):
+    On a terminal: a bar for the current epoch, redrawn in place and cut to the terminal's
+    width, and a line per evaluated epoch (`epoch_line`).
+
+    Piped (a file, a CI log): lines only, at regular points. One line per evaluated epoch,
+    whose steps are the job's steps up to the end of that epoch (the sum of the epochs'
+    steps, however late the status that showed it was read: consecutive lines differ by
+    one epoch's steps). While no line has been printed for `interval_s`, a line with the
+    job's steps so far and the rate since the previous such line, every `interval_s`.
+
+    `clock` (monotonic seconds) is injected for tests. Not thread-safe: one thread updates.
+    """
+
+    def __init__(self, stream, epochs: int, *, clock=time.monotonic,
+                 interval_s: float = PIPED_INTERVAL_S, width: int | None = None):
         self.stream = stream
         self.tty = stream.isatty()
         self.epochs = epochs
         self.reported: set[int] = set()
-        self._last_steps = (0, time.monotonic())
+        self._clock = clock
+        self._interval_s = interval_s
+        self._width = width  # None: the terminal's, read at every redraw
+        now = clock()
+        self._last_steps = (0, now)  # (steps, when) the rate is measured from
         self._rate = 0.0
+        self._last_line_at = now
 
     def update(self, status: dict) -> None:
         job = status["job"]
-        now = time.monotonic()
-        steps, then = self._last_steps
-        if now - then >= 0.5:
-            self._rate = (job["steps"] - steps) / (now - then)
-            self._last_steps = (job["steps"], now)
+        now = self._clock()
+        through = 0  # the job's steps up to the end of each epoch
         for m in job["metrics"]:
+            through += m.get("steps", 0)
             if m["test_accuracy"] is not None and m["epoch"] not in self.reported:
                 self.reported.add(m["epoch"])
                 self._line(epoch_line(m["epoch"], self.epochs, loss=m["loss"],
                                       accuracy=m["accuracy"], test_accuracy=m["test_accuracy"],
-                                      test_auc=m.get("test_auc"), steps=job["steps"]))
-        if self.tty and job["state"] == "running":
-            per_epoch = job["tasks_total"] // max(1, job["epochs"])
-            done_in_epoch = job["tasks_done"] - per_epoch * (job["epoch"] - 1)
-            width = 30
-            filled = int(width * max(0, min(done_in_epoch, per_epoch)) / max(1, per_epoch))
-            current = job["metrics"][-1] if job["metrics"] else None
-            loss = f"loss {current['loss']:.4f}  acc {current['accuracy']:.4f}  " if (
-                current and current["examples"]) else ""
-            alive = sum(w["state"] == "alive" for w in status["workers"])
-            self.stream.write(f"\repoch {job['epoch']}/{job['epochs']} [{'#' * filled}"
-                              f"{'.' * (width - filled)}] {loss}{self._rate:6.0f} steps/s  "
-                              f"workers {alive} ")
-            self.stream.flush()
+                                      test_auc=m.get("test_auc"), steps=through))
+        if job["state"] != "running":
+            return
+        if self.tty:
+            self._bar(status, now)
+        elif now - self._last_line_at >= self._interval_s:
+            steps, then = self._last_steps
+            rate = max(0.0, job["steps"] - steps) / (now - then) if now > then else 0.0
+            self._last_steps = (job["steps"], now)
+            self._line(f"epoch {job['epoch']}/{job['epochs']}  training  tasks "
+                       f"{job['tasks_done']}/{job['tasks_total']}  steps {job['steps']}  "
+                       f"{rate:.0f} steps/s  workers {_alive(status)}")
+
+    def _bar(self, status: dict, now: float) -> None:
+        job = status["job"]
+        steps, then = self._last_steps
+        if now - then >= 0.5:
+            self._rate = (job["steps"] - steps) / (now - then)
+            self._last_steps = (job["steps"], now)
+        per_epoch = job["tasks_total"] // max(1, job["epochs"])
+        done_in_epoch = job["tasks_done"] - per_epoch * (job["epoch"] - 1)
+        width = 12
+        filled = int(width * max(0, min(done_in_epoch, per_epoch)) / max(1, per_epoch))
+        current = job["metrics"][-1] if job["metrics"] else None
+        figures = (f"  train: loss {current['loss']:.4f} acc {current['accuracy']:.4f}"
+                   if current and current["examples"] else "")
+        text = (f"epoch {job['epoch']}/{job['epochs']} [{'#' * filled}{'.' * (width - filled)}]"
+                f" {self._rate:.0f} steps/s  workers {_alive(status)}{figures}")
+        columns = self._width or shutil.get_terminal_size((80, 24)).columns
+        # One character short of the width: a full line would wrap, and \r would then
+        # return to the wrapped part only. The epoch's training figures come last: the
+        # epoch's line shows them when it ends.
+        self.stream.write("\r\033[K" + text[:max(1, columns - 1)])
+        self.stream.flush()
 
     def _line(self, text: str) -> None:
         if self.tty:
             self.stream.write("\r\033[K")
         self.stream.write(text + "\n")
         self.stream.flush()
+        self._last_line_at = self._clock()
 
     def note(self, text: str) -> None:
         self._line(text)
+
+
+def _alive(status: dict) -> int:
+    return sum(w["state"] == "alive" for w in status["workers"])
+
+
+def with_model_directory(env: dict[str, str], directory: str) -> dict[str, str]:
+    """`env` with `directory` first on PYTHONPATH: workers find a `--model module:attribute`
+    whose module is in ps-cluster's working directory, whatever their own sys.path."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join([directory, *(p for p in paths
+                                                               if p != directory)])}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chaos-seed is for --chaos")
     token = token_of(parser, args)  # checked here; children read the same file
     tls = tls_of(parser, args)  # the same: the files are passed on
+    # `--model mymodule:Model` may name a module in this directory: found here (the job is
+    # checked below) and by the workers (PYTHONPATH), as PYTHONPATH=. would.
+    from ps_worker.models.registry import find_models_in
+
+    model_directory = os.getcwd()
+    find_models_in(model_directory)
     try:
         job = job_from_args(args) or JobSpec()
         if args.chaos and args.epochs is None and not (args.job and _names_epochs(args.job)):
@@ -392,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             workers.append(Child(f"worker-{i}", _python(
                 "ps_worker.cli", "--coordinator", address, "--worker-id", f"worker-{i}",
                 "--device", args.device, *passed_on), log_dir,
-                env=worker_environment(args.workers)))
+                env=with_model_directory(worker_environment(args.workers), model_directory)))
             children.append(workers[-1])
         if not args.workers:
             progress.note(f"--workers 0: the job waits for workers you start yourself: "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ps_common.clock import Clock, SystemClock
 from ps_common.job import JobSpec
+from ps_common.progress import epoch_line, job_over_line
 from ps_common.tls import TLS
 from ps_proto.v1 import coordinator_pb2_grpc
 from ps_server.coordinator.assigner import Assigner
@@ -17,7 +18,7 @@ from ps_server.coordinator.checkpointer import Catalog, Checkpointer, Interval, 
 from ps_server.coordinator.identity import (
     ClientRegistry, Incarnations, RetiredLog, new_generation,
 )
-from ps_server.coordinator.jobs import JobRunner, JobState
+from ps_server.coordinator.jobs import EpochSummary, JobRunner, JobState
 from ps_server.coordinator.persistence import StateFile
 from ps_server.coordinator.servicer import CoordinatorServicer
 from ps_server.coordinator.state import CoordinatorState
@@ -124,7 +125,8 @@ class Coordinator:
         retired = RetiredLog()
         self.runner = JobRunner(config.job, self._clock,
                                 heartbeat_timeout_s=config.heartbeat_timeout_s,
-                                incarnations=incarnations, on_worker_gone=retired.append)
+                                incarnations=incarnations, on_worker_gone=retired.append,
+                                on_epoch_evaluated=self._log_epoch)
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint_dir is not None:
             config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -159,6 +161,14 @@ class Coordinator:
         self.address, self.port = self._daemon.address, self._daemon.port
         self._stopping = threading.Event()
         self._finisher: threading.Thread | None = None
+
+    def _log_epoch(self, summary: EpochSummary, steps: int) -> None:
+        """Log an evaluated epoch as ps-cluster shows it (a coordinator started by hand
+        shows the job's progress too)."""
+        log.info("%s", epoch_line(
+            summary.epoch, self.runner.job.epochs, loss=summary.train.mean_loss,
+            accuracy=summary.train.accuracy, test_accuracy=summary.test.accuracy,
+            test_auc=summary.test.auc, steps=steps))
 
     def _progress(self) -> tuple[int, dict | None]:
         if self.runner.job is None:
@@ -271,6 +281,9 @@ class Coordinator:
                 break
         else:
             return
+        summary = self.runner.summary()
+        log.log(logging.INFO if summary["state"] == JobState.DONE.value else logging.ERROR,
+                "%s", job_over_line(summary))
         if (self.checkpointer is not None and self.runner.state is JobState.DONE
                 and self.state.shard_map.shards):
             try:

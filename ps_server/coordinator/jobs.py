@@ -165,6 +165,12 @@ class JobRunner:
     back into the runner. An exception it raises is logged and swallowed: the change is
     already made, and the caller that happened to trigger it must not fail for it.
 
+    `on_epoch_evaluated(summary, steps)` is called once for each epoch whose evaluation is
+    reported done (the first report; never for epochs restored by `restore_state`), with the
+    epoch's EpochSummary and the job's training steps up to the end of that epoch. Like
+    on_worker_gone, it is called after the lock is released on the reporting thread, may
+    call back into the runner, and an exception it raises is logged and swallowed.
+
     Dead and done workers are forgotten `forget_after_s` (default max(60, 6 x
     heartbeat_timeout_s)) after they stopped being live.
     """
@@ -173,7 +179,8 @@ class JobRunner:
                  first_incarnation: int | None = None,
                  incarnations: Callable[[], int] | None = None,
                  on_worker_gone: Callable[[str, int], None] | None = None,
-                 forget_after_s: float | None = None):
+                 forget_after_s: float | None = None,
+                 on_epoch_evaluated: Callable[[EpochSummary, int], None] | None = None):
         if incarnations is not None and first_incarnation is not None:
             raise ValueError("give JobRunner either incarnations or first_incarnation, not both")
         if forget_after_s is None:
@@ -185,6 +192,7 @@ class JobRunner:
         self._timeout = heartbeat_timeout_s
         self._forget_after = forget_after_s
         self._on_worker_gone = on_worker_gone
+        self._on_epoch_evaluated = on_epoch_evaluated
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
         self._alive = 0
@@ -198,6 +206,8 @@ class JobRunner:
         self._sequence = itertools.count()
         # (worker_id, incarnation) gone since the lock was taken; run once it is released.
         self._gone: list[tuple[str, int]] = []
+        # (summary, steps) of epochs evaluated since the lock was taken; likewise.
+        self._evaluated: list[tuple[EpochSummary, int]] = []
         # Only the current epoch's tasks; `_issued` is the highest task id ever handed out.
         self._tasks: dict[int, Task] = {}
         self._issued = 0
@@ -230,8 +240,9 @@ class JobRunner:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Hold the lock and reap first; on the way out (a raise included) release it, then
-        make the on_worker_gone calls collected meanwhile."""
+        make the on_worker_gone and on_epoch_evaluated calls collected meanwhile."""
         gone: list[tuple[str, int]] = []
+        evaluated: list[tuple[EpochSummary, int]] = []
         try:
             with self._lock:
                 try:
@@ -239,9 +250,12 @@ class JobRunner:
                     yield
                 finally:
                     gone, self._gone = self._gone, []
+                    evaluated, self._evaluated = self._evaluated, []
         finally:
             for worker_id, incarnation in gone:
                 self._notify_gone(worker_id, incarnation)
+            for summary, steps in evaluated:
+                self._notify_evaluated(summary, steps)
 
     def _notify_gone(self, worker_id: str, incarnation: int) -> None:
         if self._on_worker_gone is None:
@@ -250,6 +264,14 @@ class JobRunner:
             self._on_worker_gone(worker_id, incarnation)
         except Exception:  # the change is made; see the class docstring
             log.exception("on_worker_gone(%r, %d) failed", worker_id, incarnation)
+
+    def _notify_evaluated(self, summary: EpochSummary, steps: int) -> None:
+        if self._on_epoch_evaluated is None:
+            return
+        try:
+            self._on_epoch_evaluated(summary, steps)
+        except Exception:  # the change is made; see the class docstring
+            log.exception("on_epoch_evaluated(epoch %d) failed", summary.epoch)
 
     # ---- epochs and tasks (expect the lock held) --------------------------------------
 
@@ -277,6 +299,7 @@ class JobRunner:
                                                summary.test)
         else:
             self._summaries[-1] = EpochSummary(summary.epoch, summary.train, metrics)
+            self._evaluated.append((self._summaries[-1], self._steps))
 
     def _advance(self, task: Task) -> None:
         """After an epoch's last training task: its evaluation task. After that evaluation:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +13,7 @@ from ps_worker.models.base import EmbeddingDef, Model
 from ps_worker.models.dense import MLP, LogisticRegression
 from ps_worker.models.embedding import EmbeddingMLP
 
-__all__ = ["BUILTIN_MODELS", "build_model"]
+__all__ = ["BUILTIN_MODELS", "build_model", "find_models_in"]
 
 BUILTIN_MODELS = ("logreg", "mlp", "embedding_mlp")
 # The embedding table's optimizer in the built-in embedding_mlp, whatever the job's (which
@@ -88,6 +90,17 @@ def build_model(
             raise ValueError(f"model {name_or_ref!r}: constructing it failed: {exc!r}") from exc
     _check_model(name_or_ref, target)
     return target
+
+
+def find_models_in(directory: str) -> None:
+    """Let ``module:attribute`` references name a module in ``directory``, as
+    ``PYTHONPATH=directory`` would: it goes on ``sys.path`` right after the entry of the
+    running script, unless it is there already (``python -m`` puts the working directory
+    there; an installed ``ps-worker`` or ``ps-cluster`` command does not). The commands call
+    it with their working directory. Not thread-safe: call it before starting threads."""
+    directory = os.path.abspath(directory)
+    if directory not in (os.path.abspath(entry or os.curdir) for entry in sys.path):
+        sys.path.insert(min(1, len(sys.path)), directory)
 
 
 def _resolve(reference: str) -> Any:

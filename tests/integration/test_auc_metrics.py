@@ -42,7 +42,7 @@ def test_an_evaluations_auc_shows_in_the_status_and_ps_ctl_and_none_means_absent
     assert [m["test_auc"] for m in metrics] == [0.8125, None, None]
     assert metrics[2]["test_accuracy"] is None  # the refused report changed nothing
     text = render(status)
-    assert "test_auc" in text and "0.8125" in text and "chance is 0.5" in text
+    assert "held-out AUC" in text and "0.8125" in text and "chance is 0.5" in text
 
 
 def test_ps_ctl_shows_no_auc_column_when_no_evaluation_had_one():
@@ -55,4 +55,4 @@ def test_ps_ctl_shows_no_auc_column_when_no_evaluation_had_one():
         run_task(client, "w0", incarnation, "evaluate")
         status = client.status()
     assert status["job"]["metrics"][0]["test_auc"] is None
-    assert "test_auc" not in render(status)
+    assert "AUC" not in render(status)

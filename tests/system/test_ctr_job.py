@@ -18,8 +18,8 @@ pytestmark = pytest.mark.system
 # Bounds on waits, not on speed: the job takes about 20 s on 2 cores.
 JOB_WAIT_S = 240.0
 MIN_AUC = 0.75
-EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+) .*held-out accuracy ([0-9.]+)  "
-                        r"test_auc ([0-9.]+) \(chance 0\.5\)")
+EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+) .*held-out acc ([0-9.]+)  "
+                        r"held-out AUC ([0-9.]+) \(chance 0\.5\)")
 
 
 @pytest.mark.timeout(JOB_WAIT_S + 60)

@@ -200,8 +200,13 @@ def test_ps_ctl_status_shows_the_shared_memory_data_path_of_a_worker(launch, tmp
         shown = subprocess.run([*CTL, "--coordinator", address, "status"],
                                check=False, capture_output=True, text=True, timeout=30)
         assert shown.returncode == 0, shown.stderr
-        return next((line for line in shown.stdout.splitlines()
-                     if re.match(r"\s+worker-\d\s", line) and "data path shm" in line), None)
+        lines = shown.stdout.splitlines()
+        header = next((line for line in lines if line.split()[:1] == ["worker"]), None)
+        if header is None:  # no worker has registered yet
+            return None
+        column = header.index("data path")  # the table's columns are aligned
+        return next((line for line in lines if re.match(r"\s+worker-\d\s", line)
+                     and line[column:].split()[:1] == ["shm"]), None)
 
     # (Any of the two: either may report "grpc" last, see the test above.)
     wait_until(worker_line, "ps-ctl status to show a worker on shared memory", JOB_S,

@@ -43,7 +43,7 @@ def test_auc_is_not_summed_and_survives_export_and_restore():
 def test_epoch_lines_show_auc_beside_accuracy_only_when_there_is_one():
     line = epoch_line(2, 5, loss=0.45, accuracy=0.79, test_accuracy=0.8, test_auc=0.8123,
                       steps=640)
-    assert line == ("epoch 2/5  loss 0.4500  accuracy 0.7900  held-out accuracy 0.8000  "
-                    "test_auc 0.8123 (chance 0.5)  steps 640")
+    assert line == ("epoch 2/5  train loss 0.4500  train acc 0.7900  held-out acc 0.8000  "
+                    "held-out AUC 0.8123 (chance 0.5)  steps 640")
     assert "auc" not in epoch_line(1, 5, loss=0.4, accuracy=0.9, test_accuracy=0.9,
-                                   test_auc=None, steps=10)
+                                   test_auc=None, steps=10).lower()

@@ -48,6 +48,7 @@ DOMAIN_MODULES = [
     "ps_server/memory.py",
     "ps_server/streams.py",
     "ps_common/job.py",
+    "ps_common/progress.py",
     "ps_common/tf_config.py",
     "ps_worker/runtime.py",
     "ps_worker/data.py",
