@@ -1,12 +1,14 @@
-"""deploy/docker-compose.yml cannot run here (no Docker engine), so this runs the closest
-real thing: each compose service's exact command as a local process, with only the service
-host names mapped to 127.0.0.1, the fixed ports mapped to free ones and the named volumes'
-mount points mapped to directories of the test's own (shared by the services, as a named
-volume is)."""
+"""deploy/docker-compose.yml without a Docker engine (tests/system/test_docker_compose.py
+runs it in one where there is one): each compose service's exact command as a local process,
+with only the service host names mapped to 127.0.0.1, the fixed ports mapped to free ones,
+the named volumes' mount points mapped to directories of the test's own (shared by the
+services, as a named volume is) and the secrets' files (/run/secrets/NAME) to files of the
+test's own."""
 
 from __future__ import annotations
 
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -52,12 +54,22 @@ def _localize(command: list[str], hosts: dict[str, str], ports: dict[str, int],
 
 
 def _mounts(service: dict, volumes_dir: Path) -> dict[str, Path]:
-    """A service's named volumes (`name:/path`), each as a directory under `volumes_dir`."""
+    """A service's named volumes (`name:/path`), each as a directory under `volumes_dir`, and
+    its secrets (`/run/secrets/NAME`), each as the file `volumes_dir/secrets/NAME`."""
     mounts = {}
     for entry in service.get("volumes", []):
         name, target = entry.split(":")[:2]
         mounts[target] = volumes_dir / name
+    for name in service.get("secrets", []):
+        mounts[f"/run/secrets/{name}"] = volumes_dir / "secrets" / name
     return mounts
+
+
+def _write_secrets(compose: dict, volumes_dir: Path) -> None:
+    """A file for each of the compose file's secrets (the cluster's token)."""
+    (volumes_dir / "secrets").mkdir()
+    for name in compose.get("secrets") or {}:
+        (volumes_dir / "secrets" / name).write_text(secrets.token_urlsafe(32) + "\n")
 
 
 def _wait_listening(proc: subprocess.Popen, deadline: float) -> None:
@@ -76,20 +88,23 @@ def test_compose_services_train_to_completion_as_local_processes(tmp_path):
     services = compose["services"]
     ports = {name: _free_port() for name in services}
     procs: list[subprocess.Popen] = []
+    _write_secrets(compose, tmp_path)
     try:
         order = ["coordinator", *[n for n in services if n.startswith("ps-")]]
         for name in order:
             hosts = {**{n: n for n in services}, "__self__": name}
             mounts = _mounts(services[name], tmp_path)
-            assert {p.name for p in mounts.values()} <= set(compose.get("volumes") or {})
+            assert {p.name for p in mounts.values() if p.parent == tmp_path} <= set(
+                compose.get("volumes") or {})
             command = _localize(services[name]["command"], hosts, ports, mounts)
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                     text=True)
             procs.append(proc)
             _wait_listening(proc, time.monotonic() + 30)
         worker_command = _localize(services["worker"]["command"], {**{n: n for n in services},
-                                   "__self__": "worker"}, ports)
-        for i in range(2):  # `--scale worker=2`
+                                   "__self__": "worker"}, ports,
+                                   _mounts(services["worker"], tmp_path))
+        for i in range(services["worker"].get("scale", 1)):
             procs.append(subprocess.Popen([*worker_command, "--worker-id", f"worker-{i}"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 120
@@ -146,9 +161,10 @@ def test_kubernetes_servers_are_a_statefulset_sharing_the_coordinators_volume():
     def mounted_claim(spec: dict) -> tuple[str, str]:
         """(the claim, where it is mounted) of the pod's one container."""
         (container,) = spec["containers"]
-        (mount,) = container["volumeMounts"]
-        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
-        return volume["persistentVolumeClaim"]["claimName"], mount["mountPath"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (mount,) = [m for m in container["volumeMounts"]
+                    if "persistentVolumeClaim" in volumes[m["name"]]]
+        return volumes[mount["name"]]["persistentVolumeClaim"]["claimName"], mount["mountPath"]
 
     coordinator, servers = pod_spec("Deployment", "ps-coordinator"), pod_spec(
         "StatefulSet", "ps-server")
