@@ -8,10 +8,11 @@ import sys
 
 from ps_common.cli import (
     add_token_argument, token_of,
-    add_daemon_arguments, add_shared_memory_argument, fail, parse_address, parse_bytes,
-    run_until_signal, setup_logging,
+    add_daemon_arguments, add_metrics_argument, add_shared_memory_argument, fail,
+    parse_address, parse_bytes, run_until_signal, setup_logging,
 )
 from ps_common.rpc import DEFAULT_CHUNK_BYTES
+from ps_common.telemetry import MetricsBindError
 from ps_server.app import ParameterServer, ServerConfig
 
 log = logging.getLogger("ps-server")
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long RPCs in flight may finish after SIGTERM")
     add_token_argument(p)
+    add_metrics_argument(p)
     return p
 
 
@@ -64,7 +66,8 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval,
             max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             checkpoint_memory_bytes=args.checkpoint_memory,
-            shared_memory=not args.no_shm, token=token_of(parser, args))
+            shared_memory=not args.no_shm, token=token_of(parser, args),
+            metrics_port=args.metrics_port)
     except ValueError as error:
         fail(parser, str(error))
         raise
@@ -77,10 +80,15 @@ def server_main(argv: list[str] | None = None) -> int:
     config = config_from_args(parser, args)
     try:
         server = ParameterServer(config).start()
+    except MetricsBindError as error:
+        print(f"ps-server: --metrics-port: {error}", file=sys.stderr)
+        return 1
     except OSError as error:
         print(f"ps-server: --host/--port: {error}", file=sys.stderr)
         return 1
     def announce():
+        if server.metrics is not None:  # before the ready line: there once that is
+            print(f"ps-server {server.server_id} metrics on {server.metrics.url}", flush=True)
         print(f"ps-server {server.server_id} listening on {server.bound_address}", flush=True)
         if server.address != server.bound_address:
             log.info("advertising %s to the coordinator", server.address)

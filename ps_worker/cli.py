@@ -12,13 +12,16 @@ import threading
 import time
 
 from ps_common.cli import (
-    add_shared_memory_argument, add_token_argument, parse_address, setup_logging, token_of,
+    add_metrics_argument, add_shared_memory_argument, add_token_argument, parse_address,
+    setup_logging, token_of,
 )
 from ps_common.job import JobError
 from ps_common.status import RemoteError
+from ps_common.telemetry import MetricsBindError, MetricsEndpoint
 from ps_worker.backend import BackendUnavailable
 from ps_worker.coordinator_client import CoordinatorUnreachable
 from ps_worker.runtime import Worker, WorkerConfig
+from ps_worker.telemetry import WorkerMetrics
 
 log = logging.getLogger("ps-worker")
 
@@ -41,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "for demos and tests (default 0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_token_argument(p)
+    add_metrics_argument(p, host="--metrics-host")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="interface the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for "
+                   "all), with --metrics-port")
     return p
 
 
@@ -54,11 +61,32 @@ def worker_main(argv: list[str] | None = None) -> int:
         parser.error(f"--grace {args.grace}: must be >= 0")
     if not 0 <= args.step_delay < float("inf"):
         parser.error(f"--step-delay {args.step_delay}: must be a number of seconds >= 0")
-    worker = Worker(WorkerConfig(coordinator=args.coordinator, device=args.device,
-                                 worker_id=args.worker_id,
-                                 coordinator_timeout_s=args.coordinator_timeout,
-                                 shared_memory=not args.no_shm, step_delay_s=args.step_delay,
-                                 token=token_of(parser, args)))
+    config = WorkerConfig(coordinator=args.coordinator, device=args.device,
+                          worker_id=args.worker_id,
+                          coordinator_timeout_s=args.coordinator_timeout,
+                          shared_memory=not args.no_shm, step_delay_s=args.step_delay,
+                          token=token_of(parser, args))
+    metrics = observer = None
+    if args.metrics_port is not None:
+        try:
+            metrics = MetricsEndpoint(args.metrics_host, args.metrics_port, name="ps-worker")
+        except MetricsBindError as error:
+            print(f"ps-worker: --metrics-port: {error}", file=sys.stderr)
+            return 1
+        observer = WorkerMetrics(metrics.registry)
+    worker = Worker(config, observer=observer)
+    if metrics is not None:
+        observer.watch(worker)
+        metrics.start()
+        print(f"ps-worker {worker.worker_id} metrics on {metrics.url}", flush=True)
+    try:
+        return _until_done(worker, args)
+    finally:
+        if metrics is not None:
+            metrics.stop()
+
+
+def _until_done(worker: Worker, args: argparse.Namespace) -> int:
     # The worker runs on its own thread and the main thread only handles signals: a Python
     # signal handler runs on the main thread between two bytecodes, and one that set an event
     # the main thread was inside the wait of (or started a thread while it held threading's

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from ps_common.cli import (
     add_token_argument, token_of,
-    add_daemon_arguments, add_server_loss_arguments, add_shared_memory_argument, fail,
-    parse_bytes, run_until_signal, setup_logging,
+    add_daemon_arguments, add_metrics_argument, add_server_loss_arguments,
+    add_shared_memory_argument, fail, parse_bytes, run_until_signal, setup_logging,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
+from ps_common.telemetry import MetricsBindError
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.checkpointer import Interval
 
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-serving", action="store_true",
                    help="keep servers and the coordinator up after the job ends")
     add_token_argument(p)
+    add_metrics_argument(p)
     add_job_arguments(p)
     return p
 
@@ -94,17 +96,23 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_dir=args.checkpoint_dir or (Path(job.checkpoint_dir)
                                                    if job and job.checkpoint_dir else None),
             checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-            state_dir=args.state_dir, token=token_of(parser, args))
+            state_dir=args.state_dir, token=token_of(parser, args),
+            metrics_port=args.metrics_port)
     except ValueError as error:
         fail(parser, str(error))
         raise
     try:
         coordinator = Coordinator(config, on_job_over=lambda summary: print(
             f"ps-coordinator finished: {json.dumps(summary)}", flush=True)).start()
+    except MetricsBindError as error:
+        print(f"ps-coordinator: --metrics-port: {error}", file=sys.stderr)
+        return 1
     except OSError as error:
         print(f"ps-coordinator: --host/--port: {error}", file=sys.stderr)
         return 1
     def announce():
+        if coordinator.metrics is not None:  # before the ready line: there once that is
+            print(f"ps-coordinator metrics on {coordinator.metrics.url}", flush=True)
         print(f"ps-coordinator listening on {coordinator.address}", flush=True)
         if job is not None:
             log.info("job: %s", job.to_json())
