@@ -50,6 +50,21 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["debug", "info", "warning", "error"])
 
 
+def parse_port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535 (argparse type)."""
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
+    return int(text)
+
+
+def add_metrics_argument(parser: argparse.ArgumentParser, host: str = "--host") -> None:
+    """--metrics-port: Prometheus metrics over HTTP, on every daemon and worker."""
+    parser.add_argument("--metrics-port", type=parse_port, metavar="PORT",
+                        help="serve Prometheus metrics (paramserve_*) at "
+                        f"http://HOST:PORT/metrics, HOST being {host}; 0 = any free port "
+                        "(its URL is printed at start); default: no metrics")
+
+
 def add_shared_memory_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """--no-shm: the same flag on every command that moves tensors or starts what does."""
     parser.add_argument("--no-shm", action="store_true", help=f"do not {what}")

@@ -12,6 +12,7 @@ import grpc
 
 from ps_common import shm
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, check_chunk_bytes, make_channel
+from ps_common.telemetry import MetricsEndpoint, PushSocketMetrics
 from ps_common.tls import TLS
 from ps_common.wire import shard_to_proto, shardmap_to_proto, spec_to_proto
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -23,6 +24,7 @@ from ps_server.servicer import ParameterServerServicer, add_to_server
 from ps_server.shared_memory import SharedMemory, clear_dead
 from ps_server.store import ShardStore
 from ps_server.streams import StreamLimiter, handler_threads
+from ps_server.telemetry import ServerCollector
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,14 @@ class ServerConfig:
     token: str | None = field(default=None, repr=False)
     # Serve TLS only, and call the coordinator over TLS (ps_common.tls); None: plaintext.
     tls: TLS | None = None
+    # Serve Prometheus metrics on host:metrics_port (0: any free port); None: no metrics.
+    metrics_port: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not in 0..65535")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} is not in 0..65535")
         check_chunk_bytes(self.chunk_bytes, what="--chunk-bytes")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 0:
             raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be >= 0")
@@ -107,8 +113,21 @@ class ParameterServer:
         (ps_server.push_socket) do not pass them: a client reaches that socket only with the
         secret of a shared-memory connection it opened over gRPC. `push_socket_filter(handle)`
         returns the handler the push socket calls instead of `handle` (tests inject faults
-        there, as `interceptors` do over gRPC)."""
+        there, as `interceptors` do over gRPC).
+
+        With `config.metrics_port`, `metrics` serves this server's figures at `metrics.url`
+        (ps_server.telemetry, ps_common.telemetry); else it is None and nothing is counted.
+        Raises OSError when the port cannot be bound, MetricsBindError (an OSError) when
+        the metrics port cannot."""
         self.config = config
+        self.metrics = (None if config.metrics_port is None else MetricsEndpoint(
+            config.host, config.metrics_port,
+            name=f"ps-server-{config.server_id}" if config.server_id else "ps-server"))
+        if self.metrics is not None:
+            socket_metrics = PushSocketMetrics(self.metrics.registry).filter
+            push_socket_filter = (socket_metrics if push_socket_filter is None else
+                                  lambda handle, inner=push_socket_filter:
+                                  socket_metrics(inner(handle)))
         self.shared = self._shared_memory(config)
         self.memory_budget_bytes = (default_memory_budget() if config.memory_budget_bytes is None
                                     else config.memory_budget_bytes)
@@ -133,15 +152,19 @@ class ParameterServer:
                 add_servicers=lambda s: add_to_server(servicer, s), interceptors=interceptors,
                 max_workers=handler_threads(config.max_streams), companions=[self.streams],
                 drain=self.streams.drain,
-                token=config.token, tls=config.tls,
+                token=config.token, tls=config.tls, metrics=self.metrics,
             )
-        except BaseException:  # e.g. the port is taken: leave no segment behind
+        except BaseException:  # e.g. the port is taken: leave no segment (and no port) behind
             if self.shared is not None:
                 self.shared.close()
+            if self.metrics is not None:
+                self.metrics.stop()
             raise
         self.bound_address, self.port = self._daemon.address, self._daemon.port
         self.address = config.advertise_address or advertised_address(config.host, self.port)
         self.server_id = servicer.server_id = config.server_id or self.address
+        if self.metrics is not None:
+            self.metrics.register(ServerCollector(self))
         self._stop = threading.Event()
         self._membership: threading.Thread | None = None
         self._expiry = threading.Thread(target=self._expiry_loop, daemon=True,
@@ -167,6 +190,11 @@ class ParameterServer:
             log.warning("no shared memory (%s): clients on this host use gRPC",
                         error.strerror or error)
             return None
+
+    @property
+    def steps(self):
+        """The server's consistency steps (ps_server.consistency.StepGate)."""
+        return self._servicer.steps
 
     @property
     def data_path(self) -> str:

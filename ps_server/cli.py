@@ -10,10 +10,11 @@ from typing import Mapping
 
 from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
-    add_daemon_arguments, add_shared_memory_argument, bind_of, fail, parse_address,
-    parse_bytes, run_until_signal, setup_logging, tf_config_task,
+    add_daemon_arguments, add_metrics_argument, add_shared_memory_argument, bind_of, fail,
+    parse_address, parse_bytes, run_until_signal, setup_logging, tf_config_task,
 )
 from ps_common.rpc import DEFAULT_CHUNK_BYTES
+from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import SERVER, TF_CONFIG_ENV, Task
 from ps_server.app import ParameterServer, ServerConfig
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long RPCs in flight may finish after SIGTERM")
     add_token_argument(p)
     add_tls_arguments(p, daemon=True)
+    add_metrics_argument(p)
     return p
 
 
@@ -90,7 +92,7 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
             max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             checkpoint_memory_bytes=args.checkpoint_memory,
             shared_memory=not args.no_shm, token=token_of(parser, args),
-            tls=tls_of(parser, args)), task
+            tls=tls_of(parser, args), metrics_port=args.metrics_port), task
     except ValueError as error:
         fail(parser, str(error))
         raise
@@ -103,12 +105,17 @@ def server_main(argv: list[str] | None = None) -> int:
     config, task = config_and_task(parser, args)
     try:
         server = ParameterServer(config).start()
+    except MetricsBindError as error:
+        print(f"ps-server: --metrics-port: {error}", file=sys.stderr)
+        return 1
     except OSError as error:
         where = (f"{TF_CONFIG_ENV} (cluster.ps[{task.index}] {task.address})" if task
                  else "--host/--port")
         print(f"ps-server: {where}: {error}", file=sys.stderr)
         return 1
     def announce():
+        if server.metrics is not None:  # before the ready line: there once that is
+            print(f"ps-server {server.server_id} metrics on {server.metrics.url}", flush=True)
         print(f"ps-server {server.server_id} listening on {server.bound_address}", flush=True)
         if server.address != server.bound_address:
             log.info("advertising %s to the coordinator", server.address)

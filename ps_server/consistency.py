@@ -64,6 +64,18 @@ class PushOutcome:
     duplicate: bool = False
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What a server's steps look like now, for metrics (StepGate.stats)."""
+    mode: str  # "" while nobody takes part
+    members: int
+    step: int  # sync: steps applied
+    staleness_max: int
+    dropped_stale: int
+    waits: int  # stepped pushes answered (each after its wait, if any)
+    waited_s: float  # their waits, summed
+
+
 @dataclass
 class _Step:
     """The sync step being combined: per shard, the sum of its gradients and their count."""
@@ -98,6 +110,8 @@ class StepGate:
         self._failed: dict[int, PSError] = {}  # sync: steps whose update failed (recent)
         self.staleness_max = 0
         self.dropped_stale = 0
+        self._waits = 0
+        self._waited_s = 0.0
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -165,6 +179,21 @@ class StepGate:
         with self._changed:
             return self._step
 
+    def stats(self) -> StepStats:
+        with self._changed:
+            return StepStats(
+                mode=str(self._mode) if self._mode is not None and self._members else "",
+                members=len(self._members), step=self._step,
+                staleness_max=self.staleness_max, dropped_stale=self.dropped_stale,
+                waits=self._waits, waited_s=self._waited_s)
+
+    def _waited(self, started: float) -> float:
+        """The wait of a stepped push answered now, counted (expects the lock held)."""
+        waited = self._clock() - started
+        self._waits += 1
+        self._waited_s += waited
+        return waited
+
     # ---- ssp -----------------------------------------------------------------------------
 
     def finish_step(self, client_id: str, incarnation: int, step: int) -> PushOutcome:
@@ -181,7 +210,7 @@ class StepGate:
             while True:
                 member = self._members.get(client_id)
                 if member is None:  # left or retired meanwhile: nothing to wait for
-                    return PushOutcome(next_step=step + 1, waited_s=self._clock() - started)
+                    return PushOutcome(next_step=step + 1, waited_s=self._waited(started))
                 slowest = min(m.done for m in self._members.values())
                 if member.done <= slowest + bound:
                     break
@@ -192,7 +221,7 @@ class StepGate:
                 self._changed.wait(remaining)
             staleness = member.done - slowest
             self.staleness_max = max(self.staleness_max, staleness)
-            return PushOutcome(next_step=member.done, waited_s=self._clock() - started,
+            return PushOutcome(next_step=member.done, waited_s=self._waited(started),
                                staleness=staleness)
 
     # ---- sync ----------------------------------------------------------------------------
@@ -230,9 +259,10 @@ class StepGate:
                     raise self._timeout(step, sorted(
                         set(self._members) - self._pending.clients))
                 self._changed.wait(remaining)
+            waited = self._waited(started)
             if step in self._failed:
                 raise self._failed[step]
-            return PushOutcome(next_step=self._step, waited_s=self._clock() - started)
+            return PushOutcome(next_step=self._step, waited_s=waited)
 
     def _maybe_apply(self) -> None:
         """Apply the pending step once every member has contributed (and, for the first

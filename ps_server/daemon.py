@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_common.auth import server_interceptors, warn_if_open
 from ps_common.rpc import bind, make_server
+from ps_common.telemetry import MetricsEndpoint, RpcMetrics, service_methods
 from ps_common.tls import TLS
 
 log = logging.getLogger(__name__)
@@ -29,25 +30,33 @@ class Daemon:
     the server (e.g. a watchdog): started after it, stopped after it has stopped, so they
     serve its grace period too. `drain(timeout)`: blocks until the daemon's work in flight
     is done or `timeout` passes (e.g. a parameter server's Pull and Push streams); the daemon
-    keeps serving meanwhile, its health NOT_SERVING. Thread-safe `stop`.
+    keeps serving meanwhile, its health NOT_SERVING. `metrics` (ps_common.telemetry; None:
+    no metrics, and no interceptor) gets the figures of every call and is served like a
+    companion, its last. Thread-safe `stop`.
     """
 
     def __init__(self, *, host: str, port: int, service_names: list[str], add_servicers,
                  interceptors=(), max_workers: int = 16, companions=(), drain=None,
-                 token: str | None = None, tls: TLS | None = None):
+                 token: str | None = None, tls: TLS | None = None,
+                 metrics: MetricsEndpoint | None = None):
         if tls is not None:
             tls.check_daemon()
-        # The token is checked first: an unauthenticated call reaches no other interceptor.
+        all_services = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        # The token is checked before anything else looks at a call, but for the call
+        # metrics: they read only the method's name and the messages' sizes, and count the
+        # calls refused for want of the token too (ps_common.telemetry.RpcMetrics).
+        counted = ([] if metrics is None
+                   else [RpcMetrics(metrics.registry, service_methods(all_services))])
         self.server, self._executor = make_server(
-            max_workers=max_workers, interceptors=[*server_interceptors(token), *interceptors])
+            max_workers=max_workers,
+            interceptors=[*counted, *server_interceptors(token), *interceptors])
         warn_if_open(host, token, tls, f"{service_names[0] if service_names else 'a daemon'}")
-        self._companions = list(companions)
+        self._companions = [*companions, *([metrics] if metrics is not None else [])]
         self._drain = drain
         add_servicers(self.server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
-        reflection.enable_server_reflection(
-            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        reflection.enable_server_reflection(all_services, self.server)
         self._service_names = service_names
         self.address, self.port = bind(self.server, host, port, tls)
         self._stopped = threading.Event()

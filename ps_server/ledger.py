@@ -14,6 +14,11 @@ coordinator declares its incarnation gone (`retire`): it closed, it was declared
 newer incarnation replaced it. What remains of it is a fence (client id -> incarnation): a
 late push of that incarnation or an older one is refused as fenced. Fences are small; at
 most `max_clients` are kept, and the oldest fence is the one forgotten when more are needed.
+
+The ledger also counts, for metrics, the pushes it recorded as applied and those it found
+applied already (duplicates: retries whose first answer was lost); `counts()` reads them.
+Each client's counts move under that client's lock, which its push holds anyway, and fold
+into the ledger's totals when its record goes, so the totals never go down.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class _ClientRecord:
     applied: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     retired: bool = False  # this incarnation is gone: only its fence matters
+    # Pushes recorded as applied, and found applied already (under `lock`).
+    applied_count: int = 0
+    duplicate_count: int = 0
 
 
 @contextlib.contextmanager
@@ -53,6 +61,10 @@ class PushLedger:
         self._clients: dict[str, _ClientRecord] = {}  # live clients
         self._fences: OrderedDict[str, int] = OrderedDict()  # retired client -> incarnation
         self._lock = threading.Lock()
+        # The counts of records no longer in the table, and duplicates answered for a record
+        # retired meanwhile (under _lock).
+        self._gone_applied = 0
+        self._gone_duplicates = 0
 
     def _record(self, client_id: str, incarnation: int) -> _ClientRecord:
         with self._lock:
@@ -95,15 +107,30 @@ class PushLedger:
         with self._lock:
             if record is not None and self._clients.get(client_id) is record:
                 del self._clients[client_id]
+                self._fold(record)
             if incarnation > self._fences.get(client_id, 0):
                 self._fences[client_id] = incarnation
                 self._fences.move_to_end(client_id)
             while len(self._fences) > self._max_clients:
                 self._fences.popitem(last=False)
 
+    def _fold(self, record: _ClientRecord) -> None:
+        """A record leaves the table: keep its counts (expects _lock held)."""
+        self._gone_applied += record.applied_count
+        self._gone_duplicates += record.duplicate_count
+
     def live_clients(self) -> int:
         with self._lock:
             return len(self._clients)
+
+    def counts(self) -> tuple[int, int]:
+        """(pushes recorded as applied, pushes found applied already) since this ledger was
+        made; both only grow. Costs one step per live client."""
+        with self._lock:
+            records = list(self._clients.values())
+            applied, duplicates = self._gone_applied, self._gone_duplicates
+        return (applied + sum(r.applied_count for r in records),
+                duplicates + sum(r.duplicate_count for r in records))
 
     @contextlib.contextmanager
     def exactly_once(self, client_id: str, incarnation: int, sequence: int, acked_through: int):
@@ -139,8 +166,11 @@ class PushLedger:
                     f"{self._max_pending} above its acknowledged sequence {record.floor}: "
                     "acknowledge (acked_through) before pushing further ahead")
             yield duplicate
-            if not duplicate:
+            if duplicate:
+                record.duplicate_count += 1
+            else:
                 record.applied.add(sequence)
+                record.applied_count += 1
             self._compact(record, acked_through)
 
     def _compact(self, record: _ClientRecord, acked_through: int) -> None:
@@ -152,14 +182,24 @@ class PushLedger:
             record.applied.discard(record.floor)
 
     def applied(self, client_id: str, incarnation: int, sequence: int) -> bool:
-        """True if this push was applied already (a retry whose first answer was lost)."""
+        """True if this push was applied already (a retry whose first answer was lost); the
+        caller answers it as a duplicate, and it is counted as one."""
         with self._lock:
             record = self._clients.get(client_id)
         if record is None:
             return False
         with record.lock:
-            return incarnation == record.incarnation and (
+            found = incarnation == record.incarnation and (
                 sequence <= record.floor or sequence in record.applied)
+            if found:
+                if record.retired:
+                    # Its counts went into the totals already (lock order: a record's lock,
+                    # then the table's).
+                    with self._lock:
+                        self._gone_duplicates += 1
+                else:
+                    record.duplicate_count += 1
+            return found
 
     def export(self) -> dict:
         """The whole ledger as plain values (for a checkpoint). The caller makes sure no push
@@ -184,6 +224,8 @@ class PushLedger:
                 if self._fences.get(cid, 0) >= incarnation:
                     continue
                 self._fences.pop(cid, None)
+                if known is not None:
+                    self._fold(known)
                 self._clients[cid] = _ClientRecord(incarnation, floor, set(applied))
             while len(self._fences) > self._max_clients:
                 self._fences.popitem(last=False)

@@ -157,7 +157,8 @@ class InProcessCluster:
     mutual TLS when it has a client CA; clients then need PSClient(tls_ca=...).
     With `checkpoint_dir`, the coordinator takes checkpoints there (`checkpoint()` takes one
     now; periodic ones only with `checkpoint_every`) and a restarted server gets its shards
-    back from the newest one.
+    back from the newest one. With `metrics=True` every daemon serves Prometheus metrics on a
+    port of its own (`.metrics.url` of the coordinator and of each server).
     """
 
     def __init__(self, servers: int = 2, *, split_threshold_bytes: int = 64 * 1024 * 1024,
@@ -168,7 +169,8 @@ class InProcessCluster:
                  stream_idle_timeout_s: float | None = None,
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: Interval | None = None, shared_memory: bool = True,
-                 token: str | None = None, tls: TLS | None = None):
+                 token: str | None = None, tls: TLS | None = None,
+                 metrics: bool = False):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,
@@ -177,11 +179,12 @@ class InProcessCluster:
             reinitialize_lost_shards=reinitialize_lost_shards, server_timeout_s=server_timeout_s,
             recovery_grace_s=0.0,  # a new cluster: nothing to wait for
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None,
-            checkpoint_every=checkpoint_every, token=token, tls=tls)
+            checkpoint_every=checkpoint_every, token=token, tls=tls,
+            metrics_port=0 if metrics else None)
         self._server_kwargs = dict(
             heartbeat_interval_s=heartbeat_interval_s, allow_non_finite=allow_non_finite,
             memory_budget_bytes=memory_budget_bytes, grace_s=1.0, shared_memory=shared_memory,
-            token=token, tls=tls)
+            token=token, tls=tls, metrics_port=0 if metrics else None)
         if chunk_bytes is not None:
             self._server_kwargs["chunk_bytes"] = chunk_bytes
         # None: ServerConfig's defaults (--max-streams, --stream-idle-timeout).

@@ -14,16 +14,18 @@ import time
 from typing import Mapping
 
 from ps_common.cli import (
-    add_shared_memory_argument, add_tls_arguments, add_token_argument, parse_address,
-    setup_logging, tf_config_task, tls_of, token_of,
+    add_metrics_argument, add_shared_memory_argument, add_tls_arguments, add_token_argument,
+    parse_address, setup_logging, tf_config_task, tls_of, token_of,
 )
 from ps_common.job import JobError
 from ps_common.status import RemoteError
+from ps_common.telemetry import MetricsBindError, MetricsEndpoint
 from ps_common.tf_config import TF_CONFIG_ENV, WORKER
 from ps_worker.backend import BackendUnavailable
 from ps_worker.coordinator_client import CoordinatorUnreachable
 from ps_worker.models.registry import find_models_in
 from ps_worker.runtime import Worker, WorkerConfig
+from ps_worker.telemetry import WorkerMetrics
 
 log = logging.getLogger("ps-worker")
 
@@ -50,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_token_argument(p)
     add_tls_arguments(p, daemon=False)
+    add_metrics_argument(p, host="--metrics-host")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="interface the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for "
+                   "all), with --metrics-port")
     return p
 
 
@@ -83,7 +89,27 @@ def worker_main(argv: list[str] | None = None) -> int:
     # A job's `--model mymodule:Model` may name a module in the directory the worker was
     # started from, as it would with `python -m` or PYTHONPATH=. (before any thread starts).
     find_models_in(os.getcwd())
-    worker = Worker(config)
+    metrics = observer = None
+    if args.metrics_port is not None:
+        try:
+            metrics = MetricsEndpoint(args.metrics_host, args.metrics_port, name="ps-worker")
+        except MetricsBindError as error:
+            print(f"ps-worker: --metrics-port: {error}", file=sys.stderr)
+            return 1
+        observer = WorkerMetrics(metrics.registry)
+    worker = Worker(config, observer=observer)
+    if metrics is not None:
+        observer.watch(worker)
+        metrics.start()
+        print(f"ps-worker {worker.worker_id} metrics on {metrics.url}", flush=True)
+    try:
+        return _until_done(worker, args, config)
+    finally:
+        if metrics is not None:
+            metrics.stop()
+
+
+def _until_done(worker: Worker, args: argparse.Namespace, config: WorkerConfig) -> int:
     # The worker runs on its own thread and the main thread only handles signals: a Python
     # signal handler runs on the main thread between two bytecodes, and one that set an event
     # the main thread was inside the wait of (or started a thread while it held threading's

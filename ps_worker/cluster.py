@@ -26,7 +26,7 @@ import yaml
 
 from ps_common.cli import (
     add_server_loss_arguments, add_shared_memory_argument, add_tls_arguments, add_token_argument,
-    tls_of, token_of,
+    parse_port, tls_of, token_of,
 )
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.progress import epoch_line
@@ -324,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_memory_argument(p, "let workers and servers use shared memory (they share this "
                                "host); everything goes over gRPC")
     p.add_argument("--log-dir", help="where children's logs go (default: a new temp dir)")
+    p.add_argument("--metrics-port", type=parse_port, metavar="BASE",
+                   help="every child serves Prometheus metrics: the coordinator on port BASE, "
+                   "server i on BASE+1+i, worker i on BASE+1+SERVERS+i (0: each on a free "
+                   "port, printed in its log); default: no metrics")
     g = p.add_argument_group("checkpoints and chaos")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="the coordinator's --checkpoint-dir: servers write checkpoints here "
@@ -340,6 +344,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which worker and server --chaos kills (default: random, printed)")
     add_job_arguments(p)
     return p
+
+
+def metrics_ports(base: int, servers: int, workers: int) -> str:
+    """Which child serves metrics on which port, for --metrics-port BASE."""
+    def span(first: int, count: int) -> str:
+        return f"{first}" if count == 1 else f"{first}-{first + count - 1}"
+
+    parts = [f"coordinator {base}", f"server(s) {span(base + 1, servers)}"]
+    if workers:
+        parts.append(f"worker(s) {span(base + 1 + servers, workers)}")
+    return ", ".join(parts)
 
 
 def _python(module: str, *args: str) -> list[str]:
@@ -361,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workers {args.workers}: must be >= 0")
     if args.chaos_seed is not None and not args.chaos:
         parser.error("--chaos-seed is for --chaos")
+    if args.metrics_port and args.metrics_port + args.servers + args.workers > 65535:
+        parser.error(f"--metrics-port {args.metrics_port}: its {1 + args.servers + args.workers} "
+                     "ports must end at 65535 or below")
     token = token_of(parser, args)  # checked here; children read the same file
     tls = tls_of(parser, args)  # the same: the files are passed on
     # `--model mymodule:Model` may name a module in this directory: found here (the job is
@@ -400,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     outcome = {"state": "failed"}
     chaos: ChaosMonkey | None = None
+    def metrics(index: int) -> list[str]:
+        """The --metrics-port of the index-th child (coordinator, servers, workers)."""
+        if args.metrics_port is None:
+            return []
+        return ["--metrics-port", str(args.metrics_port and args.metrics_port + index)]
+
     try:
         hb = ["--heartbeat-interval", str(args.heartbeat_interval)]
         passed_on = ["--no-shm"] if args.no_shm else []  # flags every child gets
@@ -426,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             *(["--reinitialize-lost-shards"] if args.reinitialize_lost_shards else []),
             *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []),
             *(["--checkpoint-every", checkpoint_every] if checkpoint_every else []),
-            *(["--keep-serving"] if args.keep_serving else []), *passed_on, *client_ca),
+            *(["--keep-serving"] if args.keep_serving else []), *metrics(0), *passed_on,
+            *client_ca),
             log_dir)
         children.append(coordinator)
         address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
@@ -435,19 +460,22 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.servers):  # each child is owned (stopped at exit) once it exists
             servers.append(Child(f"server-{i}", _python(
                 "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}", "--coordinator",
-                address, *hb, *passed_on, *client_ca), log_dir))
+                address, *hb, *metrics(1 + i), *passed_on, *client_ca), log_dir))
             children.append(servers[-1])
         for server in servers:
             server.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         for i in range(args.workers):
             workers.append(Child(f"worker-{i}", _python(
                 "ps_worker.cli", "--coordinator", address, "--worker-id", f"worker-{i}",
-                "--device", args.device, *passed_on), log_dir,
+                "--device", args.device, *metrics(1 + args.servers + i), *passed_on), log_dir,
                 env=with_model_directory(worker_environment(args.workers), model_directory)))
             children.append(workers[-1])
         if not args.workers:
             progress.note(f"--workers 0: the job waits for workers you start yourself: "
                           f"ps-worker --coordinator {address}")
+        if args.metrics_port:
+            progress.note(f"metrics at http://127.0.0.1:PORT/metrics: "
+                          f"{metrics_ports(args.metrics_port, args.servers, args.workers)}")
         progress.note(f"{args.servers} server(s), {args.workers} worker(s): training "
                       f"{job.model} on {job.data} for {job.epochs} epoch(s)")
         if args.chaos:

@@ -155,11 +155,16 @@ class Trainer:
     one step ahead into reusable host buffers. Dense gradients go out with ``push_async``,
     each table's with ``push_rows_async`` (the same in-flight window); ``flush`` ends a
     task once all of them have landed. Evaluation pulls the rows of each test batch.
+
+    `observer` (None: nothing is measured) is told after every training step how long the
+    step waited for its pulled values and for its pushes: `observer.step(pull_wait_s,
+    push_wait_s)` (ps_worker.telemetry).
     """
 
     def __init__(self, job: JobSpec, dataset: Dataset, model, backend: ArrayBackend,
-                 push_window: int = 2, step_delay_s: float = 0.0):
+                 push_window: int = 2, step_delay_s: float = 0.0, observer=None):
         self.job = job
+        self.observer = observer
         self.push_window = push_window
         self.step_delay_s = step_delay_s
         self.dataset = dataset
@@ -249,13 +254,18 @@ class Trainer:
         # that step is allowed to see.
         upcoming = ps.pull_async(self.names, out=self._buffers(0))
         upcoming_rows = self._pull_rows_async(ps, batches[0], 0) if batches else _NO_ROWS
+        observer = self.observer
         for step, (x, y) in enumerate(batches):
             if should_stop():
                 upcoming.result()  # no pull may still be writing into a buffer when we return
                 upcoming_rows.wait()
                 break
+            waiting = time.monotonic() if observer is not None else 0.0
             host = upcoming.result()
             pulled = upcoming_rows
+            if observer is not None:
+                pulled.wait()
+                pull_wait = time.monotonic() - waiting
             rows, inverse = self._rows_on_device(pulled)
             if step + 1 < len(batches) and not stepped:
                 upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
@@ -270,6 +280,8 @@ class Trainer:
             host_grads = self.grads_to_host(grads, step)
             self.backend.synchronize()
             dense_grads = {n: g for n, g in host_grads.items() if n not in self.tables}
+            waiting = time.monotonic() if observer is not None else 0.0
+            # push_async waits while the window of pushes in flight is full.
             pushes = [ps.push_async(dense_grads)] if dense_grads else []
             pushes += [ps.push_rows_async(name, pulled.ids[name], host_grads[name])
                        for name in self.tables]
@@ -278,10 +290,11 @@ class Trainer:
                 futures_wait(pushes)
                 for push in pushes:
                     push.result()  # raises what the push raised
-                if step + 1 < len(batches):
-                    upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
-                    upcoming_rows = self._pull_rows_async(ps, batches[step + 1],
-                                                          (step + 1) % 2)
+            if observer is not None:
+                observer.step(pull_wait, time.monotonic() - waiting)
+            if stepped and step + 1 < len(batches):
+                upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
+                upcoming_rows = self._pull_rows_async(ps, batches[step + 1], (step + 1) % 2)
             result.loss_sum += float(loss) * len(y)
             result.examples += len(y)
             result.steps += 1
@@ -376,10 +389,14 @@ class Worker:
     retrying and the current PSClient (`interrupt()`), so that `run()` returns promptly
     whatever it was waiting for. A STOP or REREGISTER heartbeat answer interrupts the
     PSClient the same way: its task is abandoned, to run again (tasks are at-least-once).
+
+    `observer` (None: nothing is measured) is the Trainer's (see there), and is told of
+    every task the coordinator accepted: `observer.task_done(kind, steps, seconds)`.
     """
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, observer=None):
         self.config = config
+        self.observer = observer
         self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._stop = threading.Event()
         self._fenced = threading.Event()
@@ -437,7 +454,7 @@ class Worker:
                 raise JobCannotRun(str(error), job_failed=failed) from None
             trainer = Trainer(job, dataset, model, backend,
                               push_window=self.config.max_in_flight_pushes,
-                              step_delay_s=self.config.step_delay_s)
+                              step_delay_s=self.config.step_delay_s, observer=self.observer)
             log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
                      self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)
             heartbeat = threading.Thread(
@@ -523,6 +540,8 @@ class Worker:
                 except LeaseRevoked as revoked:
                     log.warning("task %d was taken back: %s", task.task_id, revoked)
                     raise Fenced() from None
+                if self.observer is not None:
+                    self.observer.task_done(task.kind, result.steps, result.seconds)
                 log.info("task %d (%s, epoch %d) done: %d steps, loss %.4f%s in %.2f s",
                          task.task_id, task.kind, task.epoch, result.steps,
                          result.loss_sum / max(1, result.examples),
@@ -536,6 +555,12 @@ class Worker:
         if ps is None or ps.mode == "async" and not ps.step_stats.wait_s:
             return None
         return dataclasses.replace(ps.step_stats)
+
+    @property
+    def data_path(self) -> str:
+        """How this worker's pulls and pushes travel: "shm", "grpc", "shm+grpc", or ""
+        before it used a server. Thread-safe."""
+        return self._data_path()
 
     def _data_path(self) -> str:
         """How this worker's pulls and pushes travel (for ps-ctl status): "shm", "grpc",

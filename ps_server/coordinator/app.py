@@ -11,6 +11,7 @@ from pathlib import Path
 from ps_common.clock import Clock, SystemClock
 from ps_common.job import JobSpec
 from ps_common.progress import epoch_line, job_over_line
+from ps_common.telemetry import MetricsEndpoint
 from ps_common.tls import TLS
 from ps_proto.v1 import coordinator_pb2_grpc
 from ps_server.coordinator.assigner import Assigner
@@ -23,6 +24,7 @@ from ps_server.coordinator.persistence import StateFile
 from ps_server.coordinator.servicer import CoordinatorServicer
 from ps_server.coordinator.state import CoordinatorState
 from ps_server.daemon import Daemon
+from ps_server.telemetry import CoordinatorCollector
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class CoordinatorConfig:
     token: str | None = field(default=None, repr=False)
     # Serve TLS only, and call servers over TLS (ps_common.tls); None: plaintext.
     tls: TLS | None = None
+    # Serve Prometheus metrics on host:metrics_port (0: any free port); None: no metrics.
+    metrics_port: int | None = None
 
     @property
     def state_path(self) -> Path | None:
@@ -77,6 +81,8 @@ class CoordinatorConfig:
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not in 0..65535")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} is not in 0..65535")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"--heartbeat-interval {self.heartbeat_interval_s} must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -100,7 +106,11 @@ class CoordinatorConfig:
 
 
 class Coordinator:
-    """A running ps-coordinator. Start with `start()` (or `with`); `stop()` is graceful."""
+    """A running ps-coordinator. Start with `start()` (or `with`); `stop()` is graceful.
+
+    With `config.metrics_port`, `metrics` serves its figures at `metrics.url`
+    (ps_server.telemetry); else it is None. The constructor raises OSError when the port
+    cannot be bound, MetricsBindError (an OSError) when the metrics port cannot."""
 
     def __init__(self, config: CoordinatorConfig, *, clock: Clock | None = None, interceptors=(),
                  on_job_over=lambda summary: None):
@@ -147,17 +157,28 @@ class Coordinator:
             self._resume_job()
         # Servers are told the job is over only after its last checkpoint.
         self._servers_may_stop = threading.Event()
+        self.clients = ClientRegistry(incarnations, retired)
         servicer = CoordinatorServicer(
-            self.state, self._assigner, self.runner, ClientRegistry(incarnations, retired),
+            self.state, self._assigner, self.runner, self.clients,
             retired, incarnations, token=token, heartbeat_interval_s=config.heartbeat_interval_s,
             keep_serving=config.keep_serving, checkpointer=self.checkpointer,
             servers_may_stop=self._servers_may_stop.is_set, save_progress=self._save_state)
-        self._daemon = Daemon(
-            host=config.host, port=config.port, service_names=[SERVICE_NAME],
-            add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-                servicer, s),
-            interceptors=interceptors, token=config.token, tls=config.tls,
-        )
+        self.metrics = (None if config.metrics_port is None else MetricsEndpoint(
+            config.host, config.metrics_port, name="ps-coordinator"))
+        try:
+            self._daemon = Daemon(
+                host=config.host, port=config.port, service_names=[SERVICE_NAME],
+                add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+                    servicer, s),
+                interceptors=interceptors, token=config.token, tls=config.tls,
+                metrics=self.metrics,
+            )
+        except BaseException:  # e.g. the port is taken: free the metrics port too
+            if self.metrics is not None:
+                self.metrics.stop()
+            raise
+        if self.metrics is not None:
+            self.metrics.register(CoordinatorCollector(self))
         self.address, self.port = self._daemon.address, self._daemon.port
         self._stopping = threading.Event()
         self._finisher: threading.Thread | None = None

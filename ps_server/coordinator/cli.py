@@ -13,10 +13,12 @@ from typing import Mapping
 
 from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
-    add_daemon_arguments, add_server_loss_arguments, add_shared_memory_argument, bind_of,
-    fail, parse_bytes, run_until_signal, setup_logging, tf_config_task,
+    add_daemon_arguments, add_metrics_argument, add_server_loss_arguments,
+    add_shared_memory_argument, bind_of, fail, parse_bytes, run_until_signal, setup_logging,
+    tf_config_task,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
+from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import COORDINATOR, TF_CONFIG_ENV, Task
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.checkpointer import Interval
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "model stays readable (workers exit when the job ends)")
     add_token_argument(p)
     add_tls_arguments(p, daemon=True)
+    add_metrics_argument(p)
     add_job_arguments(p)
     return p
 
@@ -116,7 +119,7 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
                                                    if job and job.checkpoint_dir else None),
             checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
             state_dir=args.state_dir, token=token_of(parser, args),
-            tls=tls_of(parser, args))
+            tls=tls_of(parser, args), metrics_port=args.metrics_port)
     except ValueError as error:
         fail(parser, str(error))
         raise
@@ -135,11 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         coordinator = Coordinator(config, on_job_over=lambda summary: print(
             f"ps-coordinator finished: {json.dumps(summary)}", flush=True)).start()
+    except MetricsBindError as error:
+        print(f"ps-coordinator: --metrics-port: {error}", file=sys.stderr)
+        return 1
     except OSError as error:
         where = f"{TF_CONFIG_ENV} (cluster.chief {task.address})" if task else "--host/--port"
         print(f"ps-coordinator: {where}: {error}", file=sys.stderr)
         return 1
     def announce():
+        if coordinator.metrics is not None:  # before the ready line: there once that is
+            print(f"ps-coordinator metrics on {coordinator.metrics.url}", flush=True)
         print(f"ps-coordinator listening on {coordinator.address}", flush=True)
         if job is not None:
             log.info("job: %s", job.to_json())

@@ -109,6 +109,10 @@ class ClientRegistry:
             self._retired.append(client_id, previous)
         return incarnation
 
+    def live_count(self) -> int:
+        with self._lock:
+            return len(self._live)
+
     def release(self, client_id: str, incarnation: int) -> None:
         with self._lock:
             if self._live.get(client_id) == incarnation:

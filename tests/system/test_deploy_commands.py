@@ -37,8 +37,9 @@ def _free_port() -> int:
 
 def _localize(command: list[str], hosts: dict[str, str], ports: dict[str, int],
               mounts: dict[str, Path] | None = None) -> list[str]:
-    """Map `service:port` to 127.0.0.1:free, `--port N` to this service's free port and a
-    volume's mount point (a key of `mounts`) to its local directory."""
+    """Map `service:port` to 127.0.0.1:free, `--port N` to this service's free port,
+    `--metrics-port N` to 0 (any free port) and a volume's mount point (a key of `mounts`)
+    to its local directory."""
     out = [sys.executable, "-m", ENTRY_MODULES[command[0]]]
     for i, arg in enumerate(command[1:], start=1):
         arg = str(arg)
@@ -47,6 +48,8 @@ def _localize(command: list[str], hosts: dict[str, str], ports: dict[str, int],
             arg = f"127.0.0.1:{ports[match.group(1)]}"
         elif command[i - 1] == "--port":
             arg = str(ports[hosts["__self__"]])
+        elif command[i - 1] == "--metrics-port":
+            arg = "0"  # services share one host here: each takes a free port
         elif mounts and arg in mounts:
             arg = str(mounts[arg])
         out.append(arg)
@@ -176,3 +179,24 @@ def test_kubernetes_servers_are_a_statefulset_sharing_the_coordinators_volume():
     assert mounted_claim(servers) == (claim_name, path)
     # The server id comes from the pod name: stable across restarts of a StatefulSet pod.
     assert _flag(servers["containers"][0]["args"], "--server-id") == "$(POD_NAME)"
+
+
+def test_prometheus_scrapes_every_compose_service_where_it_serves_metrics():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    scraped: dict[str, str] = {}  # service -> the port Prometheus scrapes it on
+    for job in config["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, port = target.split(":")
+                scraped[host] = port
+        for dns in job.get("dns_sd_configs", []):
+            for name in dns["names"]:
+                scraped[name] = str(dns["port"])
+    assert set(scraped) == set(services)
+    for name, service in services.items():
+        command = service["command"]
+        assert _flag(command, "--metrics-port") == scraped[name], name
+        # Reachable from another container: bound to every interface.
+        host_flag = "--metrics-host" if command[0] == "ps-worker" else "--host"
+        assert _flag(command, host_flag) == "0.0.0.0", name

@@ -291,3 +291,19 @@ def test_a_newer_incarnation_waiting_on_a_retiring_one_is_not_fenced():
     assert outcome == [False]
     with pytest.raises(FencedIncarnation):
         attempt(ledger, "w", 1, 3)
+
+
+def test_counts_applied_and_duplicate_pushes_and_keeps_them_past_retirement():
+    ledger = PushLedger()
+    assert attempt(ledger, "w1", 1, 1) is False
+    assert attempt(ledger, "w1", 1, 1) is True
+    assert ledger.applied("w1", 1, 1)  # a retry found applied before it was read: counted
+    assert attempt(ledger, "w2", 1, 1) is False
+    with pytest.raises(Boom):  # not applied: not counted
+        with ledger.exactly_once("w2", 1, 2, 0):
+            raise Boom()
+    assert ledger.counts() == (2, 2)
+    ledger.retire("w1", 1)
+    assert ledger.counts() == (2, 2)  # what retired clients did still counts
+    assert attempt(ledger, "w1", 2, 1) is False  # a new incarnation
+    assert ledger.counts() == (3, 2)

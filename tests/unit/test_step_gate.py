@@ -459,3 +459,21 @@ def test_sync_replicas_do_not_hold_the_first_step_for_a_joiner_that_left(spawn):
         if not a.done.is_set():  # release a: a second replica's gradient ends the step
             gate.join("c", 1, SYNC)
             gate.contribute(contribution("c"), 0, [T0], grads([1.0]))
+
+
+# ---- what metrics read ---------------------------------------------------------------------
+
+def test_stats_count_every_answered_stepped_push_and_sum_their_waits(spawn):
+    now = [100.0]
+    gate = make_gate(clock=lambda: now[0])
+    assert gate.stats().mode == "" and gate.stats().waits == 0
+    for client in "ab":
+        gate.join(client, 1, ssp(0))
+    ahead = spawn(gate.finish_step, "a", 1, 0)  # one step ahead of b: waits for it
+    blocked(gate, 1, "a waits for b")
+    now[0] += 2.5
+    gate.finish_step("b", 1, 0)  # the slowest: answered at once
+    assert ahead.result().waited_s == 2.5
+    stats = gate.stats()
+    assert (stats.mode, stats.members, stats.waits, stats.waited_s) == ("ssp:0", 2, 2, 2.5)
+    assert stats.staleness_max == 0 and stats.dropped_stale == 0

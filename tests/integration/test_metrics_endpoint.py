@@ -1,0 +1,170 @@
+"""Prometheus metrics of in-process daemons (InProcessCluster(metrics=True)): each daemon
+serves its own endpoint on a port of its own, and what PSClient does moves the figures:
+pushes applied and deduplicated, a refused push under its status code, bytes, steps, the
+coordinator's members and checkpoint. Everything is read over HTTP, as Prometheus reads it."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from ps_common.telemetry import MetricsBindError, MetricsEndpoint
+from ps_worker import PSClient, RemoteError
+from ps_worker.telemetry import WorkerMetrics
+
+# Over gRPC: the call figures (PushUnary) are the gRPC interceptor's; pushes through the
+# push socket are counted apart (paramserve_push_socket_*), tested below too.
+SHARED_MEMORY = False
+SGD = {"name": "sgd", "lr": 1.0}
+PUSH = "/ps.v1.ParameterServer/PushUnary"
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """(sample name, its labels) -> value, from one scrape of `url`."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def get(samples, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_pushes_move_the_servers_figures_over_the_wire(make_cluster):
+    cluster = make_cluster(servers=1, metrics=True)
+    server = cluster.servers[0]
+    assert server.metrics.url != cluster.coordinator.metrics.url
+    before = scrape(server.metrics.url)
+    assert get(before, "paramserve_pushes_applied_total") == 0
+    grad = np.ones(4, np.float32)
+    with PSClient(cluster.coordinator_address, allow_non_finite=True) as ps:
+        ps.declare("w", shape=(4,), optimizer=SGD)
+        for _ in range(3):
+            ps.push({"w": grad})
+        # A lost answer: the client retries, the server finds the push applied already.
+        cluster.faults.drop_response_next("Push")
+        ps.push({"w": grad})
+        with pytest.raises(RemoteError) as refused:  # checked by the server, not the client
+            ps.push({"w": np.full(4, np.nan, np.float32)})
+        assert refused.value.code().name == "INVALID_ARGUMENT"
+        np.testing.assert_array_equal(ps.pull("w"), -4 * grad)
+    after = scrape(server.metrics.url)
+    assert get(after, "paramserve_pushes_applied_total") == 4
+    assert get(after, "paramserve_pushes_deduplicated_total") == 1
+    assert get(after, "paramserve_rpc_handled_total", method=PUSH, code="OK") == 4
+    assert get(after, "paramserve_rpc_handled_total", method=PUSH, code="UNAVAILABLE") == 1
+    assert get(after, "paramserve_rpc_handled_total", method=PUSH,
+               code="INVALID_ARGUMENT") == 1
+    assert get(after, "paramserve_rpc_handling_seconds_count", method=PUSH) == 6
+    assert get(after, "paramserve_rpc_received_bytes_total", method=PUSH) > 6 * grad.nbytes
+    pulled = "/ps.v1.ParameterServer/PullUnary"
+    assert get(after, "paramserve_rpc_sent_bytes_total", method=pulled) > grad.nbytes
+    assert get(after, "paramserve_shards") == 1
+    assert get(after, "paramserve_shard_bytes") >= grad.nbytes
+    assert get(after, "paramserve_server_info", server_id="ps-0", data_path="grpc") == 1
+    assert get(after, "paramserve_process_resident_memory_bytes") > 0
+
+
+def test_pushes_through_shared_memory_are_counted_too(make_cluster):
+    cluster = make_cluster(servers=1, metrics=True, shared_memory=True)
+    url = cluster.servers[0].metrics.url
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), optimizer=SGD)
+        for _ in range(3):
+            ps.push({"w": np.ones(4, np.float32)})
+        paths = set(ps.data_paths.values())
+    samples = scrape(url)
+    assert get(samples, "paramserve_pushes_applied_total") == 3
+    if paths == {"shm"}:  # (a machine without shared memory stays on gRPC)
+        assert get(samples, "paramserve_push_socket_handled_total", code="OK") == 3
+
+
+def test_steps_and_the_coordinators_view_move(make_cluster, tmp_path):
+    cluster = make_cluster(servers=2, metrics=True, checkpoint_dir=tmp_path)
+    coordinator = cluster.coordinator.metrics.url
+    samples = scrape(coordinator)
+    assert get(samples, "paramserve_members", role="server", state="alive") == 2
+    assert get(samples, "paramserve_job_state", state="none") == 1
+    assert ("paramserve_checkpoint_age_seconds", frozenset()) not in samples
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), optimizer=SGD)
+        ps.join_steps("sync", replicas=1)
+        for _ in range(3):
+            ps.push({"w": np.ones(4, np.float32)})
+        ps.leave_steps()
+        assert get(scrape(coordinator), "paramserve_members", role="client",
+                   state="alive") == 1
+        holder = next(s for s in cluster.servers if s.store.held())
+        stepped = scrape(holder.metrics.url)
+        assert get(stepped, "paramserve_sync_steps_total") == 3
+        assert get(stepped, "paramserve_step_wait_seconds_count") == 3
+        assert get(stepped, "paramserve_pushes_applied_total") == 3
+        manifest = cluster.checkpoint()
+    samples = scrape(coordinator)
+    assert get(samples, "paramserve_checkpoint_step") == manifest.step
+    assert get(samples, "paramserve_checkpoint_age_seconds") >= 0
+    assert get(samples, "paramserve_checkpoint_timestamp_seconds") == manifest.created_unix_s
+    assert get(samples, "paramserve_rpc_handled_total", method="/ps.v1.Coordinator/Declare",
+               code="OK") >= 1
+
+
+def test_without_metrics_no_daemon_has_an_endpoint(make_cluster):
+    cluster = make_cluster(servers=1)
+    assert cluster.coordinator.metrics is None and cluster.servers[0].metrics is None
+
+
+def test_an_endpoint_on_a_taken_port_says_so_and_a_stopped_one_frees_its_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(MetricsBindError) as caught:
+            MetricsEndpoint("127.0.0.1", taken.getsockname()[1], name="test")
+        assert str(taken.getsockname()[1]) in str(caught.value)
+    endpoint = MetricsEndpoint("127.0.0.1", 0, name="test")
+    endpoint.start()
+    try:
+        assert get(scrape(endpoint.url), "paramserve_process_open_fds") > 0
+    finally:
+        endpoint.stop()
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", endpoint.port))  # free again
+
+
+def served_names(samples) -> set[str]:
+    """The names the README lists: histograms and summaries by their base name."""
+    names = set()
+    for name, _ in samples:
+        if name.endswith("_created"):  # prometheus-client's own, beside each counter
+            continue
+        for suffix in ("_bucket", "_count", "_sum"):
+            name = name.removesuffix(suffix)
+        names.add(name)
+    return names
+
+
+def test_the_readme_lists_every_metric_served(make_cluster, tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    cluster = make_cluster(servers=1, metrics=True, checkpoint_dir=tmp_path)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("t", dim=2, num_rows=None, optimizer=SGD)
+        ps.push_rows("t", np.array([1, 2], np.int64), np.ones((2, 2), np.float32))
+        cluster.checkpoint()
+        names = served_names(scrape(cluster.servers[0].metrics.url))
+        names |= served_names(scrape(cluster.coordinator.metrics.url))
+    registry = CollectorRegistry()
+    WorkerMetrics(registry).watch(SimpleNamespace(worker_id="w", data_path="shm"))
+    names |= served_names((s.name, s.labels) for family in registry.collect()
+                          for s in family.samples)
+    assert {"paramserve_table_rows", "paramserve_checkpoint_age_seconds",
+            "paramserve_worker_pull_wait_seconds"} <= names
+    missing = sorted(n for n in names if f"`{n}`" not in readme and f"`{n}{{" not in readme)
+    assert not missing, f"served but not in the README's Metrics table: {missing}"
