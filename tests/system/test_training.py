@@ -343,7 +343,16 @@ def test_late_worker_joins_and_gets_tasks(cluster):
                       s["job"]["metrics"][0]["test_accuracy"] is not None,
                       "epoch 1's evaluation", watch=(*c.daemons, first))
     assert status["job"]["state"] == "running"
-    late = c.start_worker("late")
+    # The first worker is paused until the late one has done a task: otherwise it could
+    # finish the job while the late one is still starting (its heartbeats stop meanwhile; a
+    # task it holds for longer than the heartbeat timeout goes to the late worker).
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        late = c.start_worker("late")
+        wait_for(c.observer, lambda s: workers_of(s).get("late", {}).get("tasks_done", 0) > 0,
+                 "a task done by the late worker", watch=(*c.daemons, late))
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     status = c.wait_until_over(watch=(first,))
     assert status["job"]["state"] == "done"
     workers = workers_of(status)
