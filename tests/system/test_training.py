@@ -525,6 +525,27 @@ def test_duplicate_reports_change_nothing_and_fenced_incarnations_must_reregiste
 
 # ---- a coordinator that dies mid-job ------------------------------------------------------
 
+SETTLED_S = 0.5  # values unchanged this long: the stopped workers' last pushes are in
+
+
+def settled_values(ps, names: list[str]) -> dict:
+    """The values once the pushes the workers had sent before they were stopped are applied:
+    a stopped process may have handed a push to its socket, which a server applies a moment
+    later, and no event marks that moment. Pulls until the values stay unchanged for
+    SETTLED_S (bounded)."""
+    import numpy as np
+
+    deadline = time.monotonic() + JOB_S
+    last, since = ps.pull(names), time.monotonic()
+    while time.monotonic() - since < SETTLED_S:
+        assert time.monotonic() < deadline, "the values never settled"
+        time.sleep(POLL_S)
+        now = ps.pull(names)
+        if not all(np.array_equal(now[n], last[n]) for n in names):
+            last, since = now, time.monotonic()
+    return last
+
+
 def test_coordinator_sigkilled_mid_job_loses_no_trained_value_and_the_job_finishes(launch):
     import numpy as np
 
@@ -556,7 +577,7 @@ def test_coordinator_sigkilled_mid_job_loses_no_trained_value_and_the_job_finish
             worker.signal(signal.SIGSTOP)
         shard_map = ps.refresh()
         names = list(shard_map.variables)
-        before = ps.pull(names)
+        before = settled_values(ps, names)
 
         coordinator.signal(signal.SIGKILL)
         assert coordinator.wait(EXIT_S) == -signal.SIGKILL
