@@ -103,6 +103,12 @@ class NotReady(PSError):
     code = "UNAVAILABLE"
 
 
+class StepTimeout(PSError):
+    """A stepped push (ssp:K, sync) waited its longest for other clients of its step."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 class ResourceExhausted(PSError):
     code = "RESOURCE_EXHAUSTED"
 

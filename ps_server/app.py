@@ -161,6 +161,9 @@ class ParameterServer:
                 self.metrics.stop()
             raise
         self.bound_address, self.port = self._daemon.address, self._daemon.port
+        # How often it heartbeats: its --heartbeat-interval, or the coordinator's if shorter
+        # (set when it registers).
+        self.heartbeat_interval_s = config.heartbeat_interval_s
         self.address = config.advertise_address or advertised_address(config.host, self.port)
         self.server_id = servicer.server_id = config.server_id or self.address
         if self.metrics is not None:
@@ -264,7 +267,6 @@ class ParameterServer:
             last_map=shardmap_to_proto(self.fence.last_map), generation=self.fence.generation)
 
     def _membership_loop(self) -> None:
-        interval = self.config.heartbeat_interval_s
         with make_channel(self.config.coordinator, self.config.token,
                           self.config.tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -276,6 +278,13 @@ class ParameterServer:
                         reply = self._coordinator_call(stub.RegisterServer,
                                                        self._registration())
                         self.fence.adopt(reply.generation, reply.control_token)
+                        # The coordinator times members out at a multiple of its own
+                        # interval: a server set to heartbeat more slowly would be declared
+                        # dead while alive. It keeps a faster interval of its own.
+                        if reply.heartbeat_interval_ms > 0:
+                            self.heartbeat_interval_s = min(
+                                self.config.heartbeat_interval_s,
+                                reply.heartbeat_interval_ms / 1000.0)
                         registered = True
                         self.registered.set()
                         log.info("registered with coordinator %s (generation %d) as %s, "
@@ -323,6 +332,7 @@ class ParameterServer:
                     registered = False
                 # Unregistered: retried soon, backing off to MAX_REGISTER_BACKOFF_S while
                 # the coordinator stays away (a restarted one is found within that).
+                interval = self.heartbeat_interval_s
                 self._stop.wait(interval if registered and not failures else min(
                     MAX_REGISTER_BACKOFF_S, min(interval, 0.5) * 2 ** min(failures, 8)))
 

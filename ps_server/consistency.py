@@ -28,16 +28,12 @@ from typing import Callable
 import numpy as np
 
 from ps_common.consistency import SYNC, Mode
-from ps_common.errors import FailedPrecondition, PSError
+from ps_common.errors import FailedPrecondition, PSError, StepTimeout
 
 log = logging.getLogger(__name__)
 
 # The longest a push waits for other clients before it is told which ones it waited for.
 STEP_WAIT_S = 30.0
-
-
-class StepTimeout(PSError):
-    code = "DEADLINE_EXCEEDED"
 
 
 @dataclass

@@ -31,3 +31,14 @@ def test_a_server_names_its_silent_coordinator_and_what_to_check(caplog):
     assert "Check that ps-coordinator runs there" in warnings[0]
     assert "--coordinator" in warnings[0] and "token" in warnings[0]
 
+
+
+def test_a_server_heartbeats_at_least_as_often_as_its_coordinator_asks(make_cluster):
+    """The coordinator declares a member dead after a multiple of its own interval: a server
+    set to a slower --heartbeat-interval takes the coordinator's; a faster one keeps its own."""
+    cluster = make_cluster(servers=1, heartbeat_interval_s=0.2)
+    for own, expected in ((30.0, 0.2), (0.1, 0.1)):
+        with ParameterServer(ServerConfig(coordinator=cluster.coordinator_address,
+                                          heartbeat_interval_s=own, grace_s=0.5)) as server:
+            assert server.registered.wait(WAIT_S)
+            assert server.heartbeat_interval_s == expected

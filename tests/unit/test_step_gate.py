@@ -18,7 +18,8 @@ import pytest
 
 from ps_common.consistency import parse_mode
 from ps_common.errors import FailedPrecondition, InvalidArgument, PSError
-from ps_server.consistency import Contribution, StepGate, StepTimeout
+from ps_common.errors import StepTimeout
+from ps_server.consistency import Contribution, StepGate
 
 WAIT_S = 30.0  # bound of every wait; never reached when the code is right
 
