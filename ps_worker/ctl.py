@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import textwrap
 import time
@@ -32,8 +33,10 @@ from ps_common.cli import (
     add_tls_arguments, add_token_argument, fail, parse_address, tls_of, token_of,
 )
 from ps_common.rpc import make_channel
-from ps_common.tls import TLS
 from ps_common.status import RemoteError
+from ps_common.tf_config import TF_CONFIG_ENV, TFConfigError
+from ps_common.tf_config import parse as parse_tf_config
+from ps_common.tls import TLS
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
 
 WIDTH = 80  # every line render() returns fits this many columns
@@ -365,7 +368,8 @@ def _status_from(source: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ps-ctl", description="Inspect a paramserve cluster.")
     p.add_argument("--coordinator", type=parse_address, help="coordinator HOST:PORT "
-                   "(status, checkpoint, plot without --from)")
+                   "(status, checkpoint, plot without --from); default: TF_CONFIG's "
+                   "cluster.chief, where TF_CONFIG is set")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="give up when the coordinator does not answer within this time")
     add_token_argument(p)
@@ -458,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.count is not None and (args.watch is None or args.count < 1):
             parser.error(f"--count {args.count}: needs --watch and N >= 1")
     local = args.command == "plot" and args.source is not None
+    if args.coordinator is None and not local and os.environ.get(TF_CONFIG_ENV, "").strip():
+        # Inside a TFJob's pod (`kubectl exec ... ps-ctl status`): the chief is the coordinator.
+        try:
+            args.coordinator = parse_tf_config(os.environ[TF_CONFIG_ENV]).chief
+        except TFConfigError as error:
+            fail(parser, f"no --coordinator, and {error}")
     if args.coordinator is None and not local:
         fail(parser, f"{args.command}: needs --coordinator HOST:PORT")
     if local:
