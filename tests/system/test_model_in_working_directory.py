@@ -108,11 +108,11 @@ def test_a_model_module_in_the_working_directory_needs_no_pythonpath(tmp_path):
 
 
 def test_ps_cluster_puts_its_working_directory_first_on_its_workers_pythonpath():
-    assert with_model_directory({"A": "1"}, "/work/project") == {
-        "A": "1", "PYTHONPATH": "/work/project"}
-    assert with_model_directory({"PYTHONPATH": os.pathsep.join(["/lib", "/work/project"])},
-                                "/work/project")["PYTHONPATH"] == os.pathsep.join(
-        ["/work/project", "/lib"])
+    assert with_model_directory({"A": "1"}, "/home/me/project") == {
+        "A": "1", "PYTHONPATH": "/home/me/project"}
+    assert with_model_directory({"PYTHONPATH": os.pathsep.join(["/lib", "/home/me/project"])},
+                                "/home/me/project")["PYTHONPATH"] == os.pathsep.join(
+        ["/home/me/project", "/lib"])
 
 
 def test_the_working_directory_goes_on_sys_path_once_as_pythonpath_would(monkeypatch, tmp_path):
