@@ -291,3 +291,21 @@ try:
             yield cluster
 except ImportError:  # pytest is only needed for the fixture
     pass
+
+
+def scrape_metrics(url: str) -> dict[tuple[str, frozenset], float]:
+    """One scrape of a --metrics-port endpoint: (sample name, its labels) -> value. Read one
+    with `metric(samples, name, **labels)`."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """The value of sample `name` with exactly `labels` in a scrape; 0 when absent."""
+    return samples.get((name, frozenset(labels.items())), 0.0)

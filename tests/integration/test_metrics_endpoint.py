@@ -6,17 +6,16 @@ coordinator's members and checkpoint. Everything is read over HTTP, as Prometheu
 from __future__ import annotations
 
 import socket
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from ps_common.telemetry import MetricsBindError, MetricsEndpoint
 from ps_worker import PSClient, RemoteError
+from ps_server.testing import metric, scrape_metrics
 from ps_worker.telemetry import WorkerMetrics
 
 # Over gRPC: the call figures (PushUnary) are the gRPC interceptor's; pushes through the
@@ -26,24 +25,12 @@ SGD = {"name": "sgd", "lr": 1.0}
 PUSH = "/ps.v1.ParameterServer/PushUnary"
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """(sample name, its labels) -> value, from one scrape of `url`."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def get(samples, name: str, **labels) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
 def test_pushes_move_the_servers_figures_over_the_wire(make_cluster):
     cluster = make_cluster(servers=1, metrics=True)
     server = cluster.servers[0]
     assert server.metrics.url != cluster.coordinator.metrics.url
-    before = scrape(server.metrics.url)
-    assert get(before, "paramserve_pushes_applied_total") == 0
+    before = scrape_metrics(server.metrics.url)
+    assert metric(before, "paramserve_pushes_applied_total") == 0
     grad = np.ones(4, np.float32)
     with PSClient(cluster.coordinator_address, allow_non_finite=True) as ps:
         ps.declare("w", shape=(4,), optimizer=SGD)
@@ -56,21 +43,21 @@ def test_pushes_move_the_servers_figures_over_the_wire(make_cluster):
             ps.push({"w": np.full(4, np.nan, np.float32)})
         assert refused.value.code().name == "INVALID_ARGUMENT"
         np.testing.assert_array_equal(ps.pull("w"), -4 * grad)
-    after = scrape(server.metrics.url)
-    assert get(after, "paramserve_pushes_applied_total") == 4
-    assert get(after, "paramserve_pushes_deduplicated_total") == 1
-    assert get(after, "paramserve_rpc_handled_total", method=PUSH, code="OK") == 4
-    assert get(after, "paramserve_rpc_handled_total", method=PUSH, code="UNAVAILABLE") == 1
-    assert get(after, "paramserve_rpc_handled_total", method=PUSH,
+    after = scrape_metrics(server.metrics.url)
+    assert metric(after, "paramserve_pushes_applied_total") == 4
+    assert metric(after, "paramserve_pushes_deduplicated_total") == 1
+    assert metric(after, "paramserve_rpc_handled_total", method=PUSH, code="OK") == 4
+    assert metric(after, "paramserve_rpc_handled_total", method=PUSH, code="UNAVAILABLE") == 1
+    assert metric(after, "paramserve_rpc_handled_total", method=PUSH,
                code="INVALID_ARGUMENT") == 1
-    assert get(after, "paramserve_rpc_handling_seconds_count", method=PUSH) == 6
-    assert get(after, "paramserve_rpc_received_bytes_total", method=PUSH) > 6 * grad.nbytes
+    assert metric(after, "paramserve_rpc_handling_seconds_count", method=PUSH) == 6
+    assert metric(after, "paramserve_rpc_received_bytes_total", method=PUSH) > 6 * grad.nbytes
     pulled = "/ps.v1.ParameterServer/PullUnary"
-    assert get(after, "paramserve_rpc_sent_bytes_total", method=pulled) > grad.nbytes
-    assert get(after, "paramserve_shards") == 1
-    assert get(after, "paramserve_shard_bytes") >= grad.nbytes
-    assert get(after, "paramserve_server_info", server_id="ps-0", data_path="grpc") == 1
-    assert get(after, "paramserve_process_resident_memory_bytes") > 0
+    assert metric(after, "paramserve_rpc_sent_bytes_total", method=pulled) > grad.nbytes
+    assert metric(after, "paramserve_shards") == 1
+    assert metric(after, "paramserve_shard_bytes") >= grad.nbytes
+    assert metric(after, "paramserve_server_info", server_id="ps-0", data_path="grpc") == 1
+    assert metric(after, "paramserve_process_resident_memory_bytes") > 0
 
 
 def test_pushes_through_shared_memory_are_counted_too(make_cluster):
@@ -81,18 +68,18 @@ def test_pushes_through_shared_memory_are_counted_too(make_cluster):
         for _ in range(3):
             ps.push({"w": np.ones(4, np.float32)})
         paths = set(ps.data_paths.values())
-    samples = scrape(url)
-    assert get(samples, "paramserve_pushes_applied_total") == 3
+    samples = scrape_metrics(url)
+    assert metric(samples, "paramserve_pushes_applied_total") == 3
     if paths == {"shm"}:  # (a machine without shared memory stays on gRPC)
-        assert get(samples, "paramserve_push_socket_handled_total", code="OK") == 3
+        assert metric(samples, "paramserve_push_socket_handled_total", code="OK") == 3
 
 
 def test_steps_and_the_coordinators_view_move(make_cluster, tmp_path):
     cluster = make_cluster(servers=2, metrics=True, checkpoint_dir=tmp_path)
     coordinator = cluster.coordinator.metrics.url
-    samples = scrape(coordinator)
-    assert get(samples, "paramserve_members", role="server", state="alive") == 2
-    assert get(samples, "paramserve_job_state", state="none") == 1
+    samples = scrape_metrics(coordinator)
+    assert metric(samples, "paramserve_members", role="server", state="alive") == 2
+    assert metric(samples, "paramserve_job_state", state="none") == 1
     assert ("paramserve_checkpoint_age_seconds", frozenset()) not in samples
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("w", shape=(4,), optimizer=SGD)
@@ -100,19 +87,19 @@ def test_steps_and_the_coordinators_view_move(make_cluster, tmp_path):
         for _ in range(3):
             ps.push({"w": np.ones(4, np.float32)})
         ps.leave_steps()
-        assert get(scrape(coordinator), "paramserve_members", role="client",
+        assert metric(scrape_metrics(coordinator), "paramserve_members", role="client",
                    state="alive") == 1
         holder = next(s for s in cluster.servers if s.store.held())
-        stepped = scrape(holder.metrics.url)
-        assert get(stepped, "paramserve_sync_steps_total") == 3
-        assert get(stepped, "paramserve_step_wait_seconds_count") == 3
-        assert get(stepped, "paramserve_pushes_applied_total") == 3
+        stepped = scrape_metrics(holder.metrics.url)
+        assert metric(stepped, "paramserve_sync_steps_total") == 3
+        assert metric(stepped, "paramserve_step_wait_seconds_count") == 3
+        assert metric(stepped, "paramserve_pushes_applied_total") == 3
         manifest = cluster.checkpoint()
-    samples = scrape(coordinator)
-    assert get(samples, "paramserve_checkpoint_step") == manifest.step
-    assert get(samples, "paramserve_checkpoint_age_seconds") >= 0
-    assert get(samples, "paramserve_checkpoint_timestamp_seconds") == manifest.created_unix_s
-    assert get(samples, "paramserve_rpc_handled_total", method="/ps.v1.Coordinator/Declare",
+    samples = scrape_metrics(coordinator)
+    assert metric(samples, "paramserve_checkpoint_step") == manifest.step
+    assert metric(samples, "paramserve_checkpoint_age_seconds") >= 0
+    assert metric(samples, "paramserve_checkpoint_timestamp_seconds") == manifest.created_unix_s
+    assert metric(samples, "paramserve_rpc_handled_total", method="/ps.v1.Coordinator/Declare",
                code="OK") >= 1
 
 
@@ -131,7 +118,7 @@ def test_an_endpoint_on_a_taken_port_says_so_and_a_stopped_one_frees_its_port():
     endpoint = MetricsEndpoint("127.0.0.1", 0, name="test")
     endpoint.start()
     try:
-        assert get(scrape(endpoint.url), "paramserve_process_open_fds") > 0
+        assert metric(scrape_metrics(endpoint.url), "paramserve_process_open_fds") > 0
     finally:
         endpoint.stop()
     with socket.socket() as again:
@@ -158,8 +145,8 @@ def test_the_readme_lists_every_metric_served(make_cluster, tmp_path):
         ps.declare_embedding("t", dim=2, num_rows=None, optimizer=SGD)
         ps.push_rows("t", np.array([1, 2], np.int64), np.ones((2, 2), np.float32))
         cluster.checkpoint()
-        names = served_names(scrape(cluster.servers[0].metrics.url))
-        names |= served_names(scrape(cluster.coordinator.metrics.url))
+        names = served_names(scrape_metrics(cluster.servers[0].metrics.url))
+        names |= served_names(scrape_metrics(cluster.coordinator.metrics.url))
     registry = CollectorRegistry()
     WorkerMetrics(registry).watch(SimpleNamespace(worker_id="w", data_path="shm"))
     names |= served_names((s.name, s.labels) for family in registry.collect()

@@ -51,15 +51,20 @@ class Proc:
 
     def address(self, timeout: float = READY_S) -> str:
         """HOST:PORT from the process's 'listening on HOST:PORT' line (bounded wait)."""
+        return self.last_word_of(" listening on ", "was ready", timeout)
+
+    def last_word_of(self, marker: str, what: str, timeout: float = READY_S) -> str:
+        """The last word of the first stdout line holding `marker`, once there (bounded
+        wait; failing at once if the process exits first). `what` names the wait."""
         deadline = time.monotonic() + timeout
         while True:
             for line in self.stdout().splitlines():
-                if " listening on " in line:
+                if marker in line:
                     return line.rsplit(" ", 1)[-1]
             if self.returncode is not None:
-                pytest.fail(f"{self.name} exited before it was ready\n{self.logs()}")
+                pytest.fail(f"{self.name} exited before it {what}\n{self.logs()}")
             if time.monotonic() > deadline:
-                pytest.fail(f"{self.name} not ready within {timeout:g} s\n{self.logs()}")
+                pytest.fail(f"{self.name}: not {what} within {timeout:g} s\n{self.logs()}")
             time.sleep(POLL_S)
 
     def wait(self, timeout: float = EXIT_S) -> int:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from child_processes import POLL_S, READY_S, Proc
+from child_processes import READY_S, Proc
+from ps_server.testing import metric, scrape_metrics
 
 pytestmark = pytest.mark.system
 
@@ -22,27 +21,7 @@ SCRAPE_S = 0.1  # between two scrapes of a poll
 
 def metrics_url(proc: Proc, timeout: float = READY_S) -> str:
     """The URL of the process's "... metrics on URL" line (bounded wait)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for line in proc.stdout().splitlines():
-            if " metrics on " in line:
-                return line.rsplit(" ", 1)[-1]
-        if proc.returncode is not None:
-            pytest.fail(f"{proc.name} exited before it served metrics\n{proc.logs()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{proc.name} printed no metrics URL within {timeout:g} s\n{proc.logs()}")
-        time.sleep(POLL_S)
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def figure(samples, name: str, **labels) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    return proc.last_word_of(" metrics on ", "served metrics", timeout)
 
 
 def wait_above(proc: Proc, url: str, name: str, floor: float, watch: tuple[Proc, ...]) -> float:
@@ -50,7 +29,7 @@ def wait_above(proc: Proc, url: str, name: str, floor: float, watch: tuple[Proc,
     at once if a watched process exits)."""
     deadline = time.monotonic() + MOVE_S
     while True:
-        value = figure(scrape(url), name)
+        value = metric(scrape_metrics(url), name)
         if value > floor:
             return value
         exited = [p for p in watch if p.returncode is not None]
@@ -84,22 +63,22 @@ def test_every_process_serves_figures_that_move_while_the_job_trains(launch):
         first = wait_above(proc, urls[proc.name], name, 0.0, procs)
         wait_above(proc, urls[proc.name], name, first, procs)
 
-    at_coordinator = scrape(urls["coordinator"])
-    assert figure(at_coordinator, "paramserve_members", role="server", state="alive") == 1
-    assert figure(at_coordinator, "paramserve_members", role="worker", state="alive") == 1
-    assert figure(at_coordinator, "paramserve_job_state", state="running") == 1
-    assert 0 < figure(at_coordinator, "paramserve_job_progress_ratio") < 1
-    assert figure(at_coordinator, "paramserve_job_steps_per_second") > 0
-    assert figure(at_coordinator, "paramserve_rpc_handled_total",
+    at_coordinator = scrape_metrics(urls["coordinator"])
+    assert metric(at_coordinator, "paramserve_members", role="server", state="alive") == 1
+    assert metric(at_coordinator, "paramserve_members", role="worker", state="alive") == 1
+    assert metric(at_coordinator, "paramserve_job_state", state="running") == 1
+    assert 0 < metric(at_coordinator, "paramserve_job_progress_ratio") < 1
+    assert metric(at_coordinator, "paramserve_job_steps_per_second") > 0
+    assert metric(at_coordinator, "paramserve_rpc_handled_total",
                   method="/ps.v1.Coordinator/CompleteTask", code="OK") > 0
-    at_server = scrape(urls["ps-0"])
-    assert figure(at_server, "paramserve_shards") > 0
-    assert figure(at_server, "paramserve_process_resident_memory_bytes") > 0
-    at_worker = scrape(urls["worker-0"])
-    assert figure(at_worker, "paramserve_worker_pull_wait_seconds_count") > 0
-    assert figure(at_worker, "paramserve_worker_push_wait_seconds_count") > 0
-    assert figure(at_worker, "paramserve_worker_tasks_total", kind="train") > 0
-    assert figure(at_worker, "paramserve_worker_steps_per_second") > 0
+    at_server = scrape_metrics(urls["ps-0"])
+    assert metric(at_server, "paramserve_shards") > 0
+    assert metric(at_server, "paramserve_process_resident_memory_bytes") > 0
+    at_worker = scrape_metrics(urls["worker-0"])
+    assert metric(at_worker, "paramserve_worker_pull_wait_seconds_count") > 0
+    assert metric(at_worker, "paramserve_worker_push_wait_seconds_count") > 0
+    assert metric(at_worker, "paramserve_worker_tasks_total", kind="train") > 0
+    assert metric(at_worker, "paramserve_worker_steps_per_second") > 0
     info = [labels for (name, labels) in at_worker if name == "paramserve_worker_info"]
     assert info and dict(info[0])["worker_id"] == "worker-0"
     assert dict(info[0])["data_path"] in ("shm", "grpc", "shm+grpc")
