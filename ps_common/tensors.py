@@ -197,7 +197,9 @@ def iter_chunks(sizes: Sequence[int], readers: Sequence[ByteReader], chunk_bytes
         yield parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _byte_view(buffer) -> memoryview:
+def _byte_view(buffer):
+    if hasattr(buffer, "write_at"):
+        return buffer
     if isinstance(buffer, np.ndarray):
         if not buffer.flags.c_contiguous:
             raise ValueError("destination arrays must be C-contiguous")
@@ -208,8 +210,9 @@ def _byte_view(buffer) -> memoryview:
 class StreamAssembler:
     """Writes an incoming chunked byte stream into per-tensor destination buffers.
 
-    `destinations` are writable byte buffers (memoryview, bytearray, numpy arrays) whose
-    lengths are the expected tensor sizes. Not thread-safe: one stream, one assembler.
+    `destinations` are writable byte buffers (memoryview, bytearray, numpy arrays), or
+    objects with `write_at(offset, data)` (a region of a file), whose lengths are the
+    expected tensor sizes. Not thread-safe: one stream, one assembler.
     """
 
     def __init__(self, destinations: Sequence, *, what: str):
@@ -235,7 +238,10 @@ class StreamAssembler:
                 self._tensor, self._offset = self._tensor + 1, 0
                 continue
             take = min(room, len(view))
-            dest[self._offset:self._offset + take] = view[:take]
+            if isinstance(dest, memoryview):
+                dest[self._offset:self._offset + take] = view[:take]
+            else:
+                dest.write_at(self._offset, view[:take])
             self._offset += take
             view = view[take:]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class ServerConfig:
     # (ps_server.snapshots); past it, pushes to shards not yet written wait for the writer.
     # None: 15% of the machine's or container's memory (ps_server.memory).
     checkpoint_memory_bytes: int | None = None
+    # Memory that streamed pushes may wait in until all of each has arrived; a push past it
+    # waits in a file in spill_dir (ps_server.push_staging). None: a quarter of the bytes
+    # the server holds, at least 16 MiB. spill_dir None: the system's temporary directory.
+    push_memory_bytes: int | None = None
+    spill_dir: str | None = None
     # Offer clients on this host the shared-memory data path (ps_server.shared_memory),
     # where the machine allows it (ps_common.shm.supported).
     shared_memory: bool = True
@@ -81,6 +87,12 @@ class ServerConfig:
             raise ValueError("--heartbeat-interval must be > 0")
         if self.checkpoint_memory_bytes is not None and self.checkpoint_memory_bytes < 0:
             raise ValueError(f"--checkpoint-memory {self.checkpoint_memory_bytes} must be >= 0")
+        if self.push_memory_bytes is not None and self.push_memory_bytes < 0:
+            raise ValueError(f"--push-memory {self.push_memory_bytes} must be >= 0")
+        if self.spill_dir is not None and not (
+                os.path.isdir(self.spill_dir) and os.access(self.spill_dir, os.W_OK | os.X_OK)):
+            raise ValueError(f"--spill-dir {self.spill_dir}: not a directory this user can "
+                             "write to")
         if self.max_streams < 1:
             raise ValueError(f"--max-streams {self.max_streams} must be >= 1")
         if not (math.isfinite(self.stream_idle_timeout_s) and self.stream_idle_timeout_s > 0):
@@ -145,7 +157,10 @@ class ParameterServer:
                                                if config.checkpoint_memory_bytes is None
                                                else config.checkpoint_memory_bytes),
                                            shared=self.shared,
-                                           push_socket_filter=push_socket_filter)
+                                           push_socket_filter=push_socket_filter,
+                                           push_memory_bytes=config.push_memory_bytes,
+                                           spill_dir=config.spill_dir)
+        self.push_staging = servicer.push_staging
         try:
             self._daemon = Daemon(
                 host=config.host, port=config.port, service_names=[SERVICE_NAME],

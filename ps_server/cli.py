@@ -17,6 +17,7 @@ from ps_common.rpc import DEFAULT_CHUNK_BYTES
 from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import SERVER, TF_CONFIG_ENV, Task
 from ps_server.app import ParameterServer, ServerConfig
+from ps_server.memory import use_one_malloc_arena
 
 log = logging.getLogger("ps-server")
 
@@ -53,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory a checkpoint may use for copies of shards that pushes change "
                    "while it writes; past it those pushes wait for the writer (default: 15%% "
                    "of the machine's or container's memory, at least 256MiB)")
+    p.add_argument("--push-memory", type=parse_bytes, default=None,
+                   help="memory streamed pushes may wait in until all of each has arrived "
+                   "(pushes are applied all or nothing); a push past it waits in a file in "
+                   "--spill-dir instead (default: a quarter of the bytes this server holds, "
+                   "at least 16MiB)")
+    p.add_argument("--spill-dir", default=None, metavar="DIR",
+                   help="where pushes past --push-memory wait (default: the system's "
+                   "temporary directory, $TMPDIR or /tmp)")
     add_shared_memory_argument(p, "offer clients on this host the shared-memory data path; "
                                "with it, every client uses gRPC")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
@@ -91,6 +100,7 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
             grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval,
             max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             checkpoint_memory_bytes=args.checkpoint_memory,
+            push_memory_bytes=args.push_memory, spill_dir=args.spill_dir,
             shared_memory=not args.no_shm, token=token_of(parser, args),
             tls=tls_of(parser, args), metrics_port=args.metrics_port), task
     except ValueError as error:
@@ -103,6 +113,7 @@ def server_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     config, task = config_and_task(parser, args)
+    use_one_malloc_arena()
     try:
         server = ParameterServer(config).start()
     except MetricsBindError as error:

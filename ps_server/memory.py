@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -51,3 +52,27 @@ def default_checkpoint_memory() -> int:
     """15% of the machine's (or container's) memory, at least 256 MiB."""
     total = machine_memory_bytes()
     return max(MIN_CHECKPOINT_MEMORY, int(total * DEFAULT_CHECKPOINT_FRACTION) if total else 0)
+
+
+# glibc's mallopt parameter for the number of malloc arenas (malloc.h).
+_M_ARENA_MAX = -8
+
+
+def use_one_malloc_arena() -> bool:
+    """Have glibc's malloc serve every thread from one arena; False where it is not glibc.
+
+    By default each thread that contends for malloc gets an arena of its own, up to 8 per
+    core. A server's gRPC handler threads take turns receiving multi-MiB messages and
+    building push buffers, so a buffer freed in one thread's arena is not reused by the next
+    thread, which faults in fresh pages instead: the W2 benchmark over gRPC measured peak RSS
+    about 1.6x lower and round trips about 20% faster with one arena. The handlers hold the
+    GIL around most allocations anyway, so one arena's lock costs nothing measurable. Called
+    by the ps-server command only, never by in-process servers: an embedding application's
+    allocator is its own business.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_ARENA_MAX, 1))

@@ -2,8 +2,9 @@
 
 The servicer decodes the header and hands over the stream of data pieces; this module
 checks the dedup ledger (before the epoch: a retry of an applied push is a duplicate even
-after the map moved on), validates the header against the shards, assembles the bytes into
-pooled buffers, checks the gradients, and applies them under the ledger's exactly-once guard.
+after the map moved on), validates the header against the shards, assembles the bytes where
+they wait (ps_server.push_staging: pooled buffers, or a file past the memory bound), checks
+the gradients, and applies them under the ledger's exactly-once guard.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import numpy as np
 from ps_common.consistency import SYNC
 from ps_common.errors import InvalidArgument
 from ps_common.tensors import StreamAssembler, TensorMeta, view_bytes
-from ps_server.buffers import BufferPool
 from ps_server.consistency import Contribution, PushOutcome, StepGate
 from ps_server.ledger import PushLedger
+from ps_server.push_staging import PushStaging
 from ps_server.store import ShardStore
 
 
@@ -39,13 +40,13 @@ class PushHeader:
 
 
 class PushReceiver:
-    """Thread-safe (the store, ledger, pool and step gate are). `steps`: the server's
+    """Thread-safe (the store, ledger, staging and step gate are). `steps`: the server's
     consistency steps (ps_server.consistency), which pushes with a step go through."""
 
-    def __init__(self, store: ShardStore, ledger: PushLedger, buffers: BufferPool):
+    def __init__(self, store: ShardStore, ledger: PushLedger, staging: PushStaging):
         self._store = store
         self._ledger = ledger
-        self._buffers = buffers
+        self._staging = staging
         self.steps = StepGate(self._apply_average)
 
     def receive(self, header: PushHeader, first_data, more_data: Iterable) -> PushOutcome:
@@ -61,19 +62,20 @@ class PushReceiver:
                 pass
             return self._duplicate(header)
         targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
-        buffers = [self._buffers.acquire(meta.nbytes) for meta in header.metas]
-        try:
-            assembler = StreamAssembler(buffers, what="push")
+        with self._staging.stage([meta.nbytes for meta in header.metas]) as staged:
+            assembler = StreamAssembler(staged.destinations, what="push")
             assembler.write(first_data)
             for data in more_data:
                 assembler.write(data)
             assembler.finish()
-            grads = [_decode(buf, meta, held.spec.dtype)
-                     for buf, meta, held in zip(buffers, header.metas, targets)]
-            return self._apply(header, targets, grads)
-        finally:
-            for buffer in buffers:
-                self._buffers.release(buffer)
+            staged.finish()
+            grads = [_decode(data, meta, held.spec.dtype)
+                     for data, meta, held in zip(staged.data, header.metas, targets)]
+            try:
+                return self._apply(header, targets, grads, staged.release)
+            finally:
+                if staged.release is not None:
+                    staged.release.finish()
 
     def receive_whole(self, header: PushHeader, data: memoryview) -> PushOutcome:
         """The same for a push whose tensors all came in one message (`data`): read in place

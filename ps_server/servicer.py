@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ps_common.errors import CheckpointFailed, InvalidArgument, Overloaded
+from ps_common.errors import CheckpointFailed, InvalidArgument
 from ps_common.consistency import parse_mode
 from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_common.status import translate_errors
@@ -27,6 +27,8 @@ from ps_server import snapshots
 from ps_server.consistency import PushOutcome
 from ps_server.pushes import PushHeader, PushReceiver
 from ps_server.restore import ShardRestore
+from ps_server.live_reads import LiveRead, PullCopies
+from ps_server.push_staging import PushStaging
 from ps_server.shared_memory import SharedMemory
 from ps_server.store import HeldShard, ShardStore
 from ps_server.streams import StreamLimiter
@@ -34,10 +36,9 @@ from ps_server.streams import StreamLimiter
 
 log = logging.getLogger(__name__)
 
-# Pull snapshots (copies of multi-chunk shards) held at once, and how long a pull waits for
-# room before it is told to come back (RESOURCE_EXHAUSTED with a retry delay).
-SNAPSHOT_BYTES = 1 << 30
-SNAPSHOT_WAIT_S = 5.0
+# Bytes of copies that pushes make of shards while pulls stream them (ps_server.live_reads).
+PULL_COPY_BYTES = 1 << 30
+
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """Thread-safe: every handler may run concurrently with every other.
@@ -50,9 +51,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def __init__(self, store: ShardStore, ledger: PushLedger, *, chunk_bytes: int,
                  fence: CoordinatorFence, streams: StreamLimiter, server_id: str = "",
-                 buffers: BufferPool | None = None, snapshot_bytes: int = SNAPSHOT_BYTES,
+                 buffers: BufferPool | None = None, pull_copy_bytes: int = PULL_COPY_BYTES,
                  checkpoint_memory_bytes: int = snapshots.DEFAULT_MEMORY_BYTES,
-                 shared: SharedMemory | None = None, push_socket_filter=None):
+                 shared: SharedMemory | None = None, push_socket_filter=None,
+                 push_memory_bytes: int | None = None, spill_dir: str | None = None):
         self._store = store
         self._shared = shared
         self._ledger = ledger
@@ -63,9 +65,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._chunk_bytes = chunk_bytes
         self._streams = streams
         self._buffers = buffers or BufferPool()
-        # Pull snapshots of multi-chunk shards: at most this many bytes of copies at once.
-        self._snapshots = ByteBudget(snapshot_bytes)
-        self._pushes = PushReceiver(store, ledger, self._buffers)
+        # Copies of multi-chunk shards for the pulls that pushes overtake: at most this many
+        # bytes at once.
+        self._pull_copies = PullCopies(self._buffers, ByteBudget(pull_copy_bytes))
+        self.push_staging = PushStaging(self._buffers, store.nbytes, push_memory_bytes, spill_dir)
+        self._pushes = PushReceiver(store, ledger, self.push_staging)
         if shared is not None:
             shared.serve_pushes(self._push_shared if push_socket_filter is None
                                 else push_socket_filter(self._push_shared))
@@ -78,7 +82,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 request.epoch, [(r.variable, r.index) for r in request.shards], wire,
                 row_ids_of(request.shards))
             header = pb.PullHeader(tensors=[meta.to_proto() for _, meta, _ in plan])
-            source = _PullSource(plan, self._chunk_bytes, self._buffers, self._snapshots)
+            source = _PullSource(plan, self._chunk_bytes, self._pull_copies)
             try:
                 for i, piece in enumerate(source.pieces):
                     message = encode_chunk(header.SerializeToString() if i == 0 else None, piece)
@@ -296,20 +300,17 @@ class _PullSource:
     """The pieces of one pull's chunks, each shard a consistent snapshot. Not thread-safe.
 
     A shard whose bytes fall within one chunk is read in one piece under its lock. A larger
-    one, read piece by piece, would mix values from before and after a push applied in
-    between: when the stream reaches it, it is copied under its lock into a pooled buffer
-    (at memory speed; the lock is held for that copy only) and streamed from the copy.
-    Pieces may be views of those buffers: `release_finished()` gives back the buffers of
-    shards sent in full once the pieces built from them are encoded; `close()` gives back
-    the rest.
+    one is read piece by piece through a LiveRead (ps_server.live_reads): from the live
+    values while no push touches the shard, from a copy of them once one does. Pieces may be
+    views of such copies: `release_finished()` ends the reads of shards sent in full once
+    the pieces built from them are encoded; `close()` ends the rest.
     """
 
     def __init__(self, plan: list[tuple[HeldShard, TensorMeta]], chunk_bytes: int,
-                 pool: BufferPool, budget: ByteBudget):
-        self._pool = pool
-        self._budget = budget
-        self._in_use: dict[int, np.ndarray] = {}  # id -> buffer
-        self._finished: list[np.ndarray] = []
+                 copies: PullCopies):
+        self._copies = copies
+        self._reads: list[LiveRead] = []
+        self._finished: list[LiveRead] = []
         readers: list[ByteReader] = []
         start = 0
         for held, meta, rows in plan:
@@ -319,30 +320,18 @@ class _PullSource:
             elif meta.nbytes == 0 or start // chunk_bytes == last // chunk_bytes:
                 readers.append(array_reader(held.values, meta.dtype, held.lock))
             else:
-                readers.append(self._snapshot_reader(held, meta))
+                readers.append(self._live_reader(held, meta))
             start += meta.nbytes
         self.pieces = iter_chunks([meta.nbytes for _, meta, _ in plan], readers, chunk_bytes)
 
-    def _snapshot_reader(self, held: HeldShard, meta: TensorMeta) -> ByteReader:
-        current: list = []  # [buffer, reader of the copy] once the stream reaches the shard
+    def _live_reader(self, held: HeldShard, meta: TensorMeta) -> ByteReader:
+        current: list[LiveRead] = []  # opened when the stream reaches the shard
 
         def read(offset: int, length: int):
             if not current:
-                if not self._budget.acquire(held.values.nbytes, SNAPSHOT_WAIT_S):
-                    raise Overloaded(
-                        f"pull snapshots already hold {self._budget.capacity} bytes on this "
-                        f"server; {held.describe()} waits its turn: retry", retry_after_s=0.2)
-                try:
-                    buffer = self._pool.acquire(held.values.nbytes)
-                except BaseException:
-                    self._budget.release(held.values.nbytes)
-                    raise
-                self._in_use[id(buffer)] = buffer
-                copy = buffer.view(held.values.dtype).reshape(held.values.shape)
-                with held.lock:
-                    np.copyto(copy, held.values)
-                current[:] = [buffer, array_reader(copy, meta.dtype)]
-            piece = current[1](offset, length)
+                current.append(LiveRead(held, meta.dtype, self._copies))
+                self._reads.append(current[0])
+            piece = current[0](offset, length)
             if offset + length == meta.nbytes:
                 self._finished.append(current[0])
             return piece
@@ -350,21 +339,15 @@ class _PullSource:
         return read
 
     def release_finished(self) -> None:
-        for buffer in self._finished:
-            del self._in_use[id(buffer)]
-            self._give_back(buffer)
+        for read in self._finished:
+            read.close()
         self._finished.clear()
 
     def close(self) -> None:
-        for buffer in self._in_use.values():
-            self._give_back(buffer)
-        self._in_use.clear()
+        for read in self._reads:
+            read.close()
+        self._reads.clear()
         self._finished.clear()
-
-
-    def _give_back(self, buffer: np.ndarray) -> None:
-        self._pool.release(buffer)
-        self._budget.release(buffer.nbytes)
 
 
 def _wire_bytes(values: np.ndarray, wire_dtype: str) -> memoryview:

@@ -24,6 +24,7 @@ from ps_common.shm import VERSION
 from ps_common.tensors import TensorMeta, all_finite, check_narrowing
 from ps_server.dynamic_rows import BOOKKEEPING_SLOTS, DynamicRows
 from ps_server.initializers import initialize_ids, initialize_rows, validate_initializer
+from ps_server.live_reads import preserve_for_reads
 from ps_server.optimizers import (
     ShardOptimizerState, apply_update, compute_dtype, make_state, resolve_knobs,
 )
@@ -49,6 +50,9 @@ class HeldShard:
     seqlock: np.ndarray | None = None
     # A dynamic table's shard: its id -> row index; `values` and `state.slots` are its pool.
     dynamic: DynamicRows | None = None
+    # Pulls streaming `values` piece by piece (ps_server.live_reads), under `lock`: an update
+    # gives them a copy first.
+    live_reads: list = field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -498,6 +502,9 @@ class ShardStore:
                 capture = self._capture
                 blocked = capture.preserve(ordered) if capture else None
                 if blocked is None:
+                    for held in ordered:
+                        if held.live_reads:
+                            preserve_for_reads(held)
                     yield
                     return
             finally:

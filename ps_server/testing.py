@@ -28,6 +28,15 @@ from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.checkpointer import Interval
 
 
+def wait_until(predicate, what: str, timeout_s: float = 30.0, poll_s: float = 0.005) -> None:
+    """Wait, polling, until `predicate()` is true; TimeoutError naming `what` after
+    `timeout_s` (a bound that a sound build never reaches, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(poll_s)
+
 class FaultInjector(grpc.ServerInterceptor):
     """Server interceptor that fails chosen calls with a chosen status. Thread-safe.
 
@@ -159,6 +168,8 @@ class InProcessCluster:
     now; periodic ones only with `checkpoint_every`) and a restarted server gets its shards
     back from the newest one. With `metrics=True` every daemon serves Prometheus metrics on a
     port of its own (`.metrics.url` of the coordinator and of each server).
+    `push_memory_bytes` and `spill_dir` are the servers' --push-memory and --spill-dir
+    (`push_memory_bytes=0`: every streamed push waits in a file).
     """
 
     def __init__(self, servers: int = 2, *, split_threshold_bytes: int = 64 * 1024 * 1024,
@@ -170,7 +181,8 @@ class InProcessCluster:
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: Interval | None = None, shared_memory: bool = True,
                  token: str | None = None, tls: TLS | None = None,
-                 metrics: bool = False):
+                 metrics: bool = False, push_memory_bytes: int | None = None,
+                 spill_dir: str | Path | None = None):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,
@@ -184,7 +196,9 @@ class InProcessCluster:
         self._server_kwargs = dict(
             heartbeat_interval_s=heartbeat_interval_s, allow_non_finite=allow_non_finite,
             memory_budget_bytes=memory_budget_bytes, grace_s=1.0, shared_memory=shared_memory,
-            token=token, tls=tls, metrics_port=0 if metrics else None)
+            token=token, tls=tls, metrics_port=0 if metrics else None,
+            push_memory_bytes=push_memory_bytes,
+            spill_dir=str(spill_dir) if spill_dir is not None else None)
         if chunk_bytes is not None:
             self._server_kwargs["chunk_bytes"] = chunk_bytes
         # None: ServerConfig's defaults (--max-streams, --stream-idle-timeout).

@@ -33,22 +33,28 @@ def no_thread_leak():
 
 
 @pytest.fixture
-def make_cluster(no_thread_leak, request):
+def make_cluster(no_thread_leak, request, tmp_path_factory):
     """Factory: `make_cluster(servers=3, split_threshold_bytes=1000, ...)` returns a started
     InProcessCluster (on OS-chosen ports); every cluster made is stopped after the test.
 
     Its servers offer shared memory unless the test module sets `SHARED_MEMORY = False`
     (tests of what happens on the wire), or the test uses the `data_path` fixture
-    (parametrized over "grpc" and "shm" where a module defines it)."""
+    (parametrized where a module defines it: "shm"; "grpc"; "grpc-staged", gRPC with every
+    streamed push waiting in a file, ps_server.push_staging)."""
     from ps_server.testing import InProcessCluster  # after pytest loaded it as a plugin
 
     shared = getattr(request.module, "SHARED_MEMORY", True)
+    staged = False
     if "data_path" in request.fixturenames:
         shared = request.getfixturevalue("data_path") == "shm"
+        staged = request.getfixturevalue("data_path") == "grpc-staged"
     started: list[InProcessCluster] = []
 
     def make(**kwargs):
         kwargs.setdefault("shared_memory", shared)
+        if staged:
+            kwargs.setdefault("push_memory_bytes", 0)
+            kwargs.setdefault("spill_dir", tmp_path_factory.mktemp("spill"))
         cluster = InProcessCluster(**kwargs).start()
         started.append(cluster)
         return cluster

@@ -4,24 +4,17 @@ was only out of reach while its shards moved."""
 
 from __future__ import annotations
 
-import time
 
 import grpc
 import numpy as np
 
+from ps_server.testing import wait_until
 import ps_server.restore as restore_module
 from ps_worker import PSClient, RetryPolicy
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 PATIENT = RetryPolicy(max_attempts=None, initial_backoff_s=0.01, max_backoff_s=0.05)
 WAIT_S = 30.0
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_two_reports_about_one_unreadable_checkpoint_fall_back_once(make_cluster, tmp_path):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ps_server.optimizers import OPTIMIZERS
+from ps_server.testing import wait_until
 from ps_worker import PSClient, RemoteError
 from ps_worker.client import StepStats
 
@@ -36,14 +37,6 @@ pytestmark = pytest.mark.usefixtures("data_path")
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {WAIT_S:g} s")
-        time.sleep(0.01)
-
 
 def pushes(cluster) -> int:
     """Push calls that reached a server so far (each server's part of a push is one)."""

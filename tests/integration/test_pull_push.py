@@ -21,11 +21,13 @@ SGD1 = {"name": "sgd", "lr": 1.0}
 JOIN_TIMEOUT_S = 30.0
 
 
-@pytest.fixture(params=["grpc", "shm"])
+@pytest.fixture(params=["grpc", "shm", "grpc-staged"])
 def data_path(request):
-    """Every test here runs twice: with servers that offer shared memory to this process
-    (pulls and pushes go through it) and with servers started --no-shm (all over gRPC).
-    Bad input reaches a server the same way on both; errors and values must be equal."""
+    """Every test here runs three times: with servers that offer shared memory to this
+    process (pulls and pushes go through it), with servers started --no-shm (all over gRPC),
+    and over gRPC with --push-memory 0 (every streamed push waits in a file until all of it
+    has arrived). Bad input reaches a server the same way on all; errors and values must be
+    equal."""
     return request.param
 
 

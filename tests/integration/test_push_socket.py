@@ -13,7 +13,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import grpc
@@ -30,7 +29,7 @@ from ps_proto.v1 import tensor_pb2
 from ps_server import push_socket
 from ps_server import shared_memory as server_shm
 from ps_server.app import ParameterServer, ServerConfig
-from ps_server.testing import InProcessCluster
+from ps_server.testing import InProcessCluster, wait_until
 from ps_worker import PSClient
 
 UNSUPPORTED = shm.supported()
@@ -38,14 +37,6 @@ pytestmark = pytest.mark.skipif(UNSUPPORTED is not None, reason=UNSUPPORTED or "
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 WAIT_S = 30.0  # bound of every wait; never reached when the code is right
-
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {WAIT_S:g} s")
-        time.sleep(0.01)
 
 
 def grpc_pull(cluster: InProcessCluster, name: str) -> np.ndarray:

@@ -43,7 +43,7 @@ from ps_server.pushes import PushReceiver
 from ps_server import store as store_module
 from ps_server.optimizers import make_state
 from ps_server.store import HeldShard, ShardStore
-from ps_server.testing import InProcessCluster
+from ps_server.testing import InProcessCluster, wait_until
 from ps_worker import PSClient, RemoteError
 
 UNSUPPORTED = shm.supported()
@@ -51,18 +51,9 @@ pytestmark = pytest.mark.skipif(UNSUPPORTED is not None, reason=UNSUPPORTED or "
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 WAIT_S = 30.0  # bound of every wait; never reached when the code is right
-POLL_S = 0.01
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-def wait_until(predicate, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:g} s")
-        time.sleep(POLL_S)
-
 
 def calls(cluster: InProcessCluster, family: str) -> int:
     return cluster.faults.calls.get(family, 0)

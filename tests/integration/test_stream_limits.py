@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 import uuid
 
 import grpc
@@ -25,6 +24,7 @@ from ps_proto.v1 import tensor_pb2
 from ps_server.app import SERVICE_NAME, ParameterServer, ServerConfig
 from ps_server.cli import build_parser, config_from_args
 from ps_server.streams import StreamLimiter
+from ps_server.testing import wait_until
 from ps_worker import PSClient, RemoteError, RetryPolicy
 
 # These tests inject faults into calls on the wire: servers without shared memory.
@@ -38,14 +38,6 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-def wait_until(predicate, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s} s")
-        time.sleep(0.005)
-
 
 @pytest.fixture
 def channels():
@@ -292,10 +284,11 @@ def test_a_client_backs_off_and_retries_while_every_slot_is_taken(make_cluster, 
 def test_pull_of_a_shard_larger_than_a_chunk_never_mixes_pushes(bare_server, wire):
     """Every element moves by the same amount per push, so any pulled array whose elements
     differ mixes values from before and after a push. 16 KiB in 64-byte chunks: 256 reads
-    per pull, with pushes applied all the while."""
+    per pull, with pushes applied all the while. The client streams over gRPC in 64-byte
+    chunks too: with its default chunk size a 16 KiB pull would be one PullUnary message."""
     cluster, _ = bare_server(chunk_bytes=64)
     shape, pulls = (256, 16), 20
-    with PSClient(cluster.coordinator_address) as ps:
+    with PSClient(cluster.coordinator_address, chunk_bytes=64, shared_memory=False) as ps:
         ps.declare("w", shape=shape, init=ZEROS, optimizer=SGD1)
         assert len(ps.shard_map.shards["w"]) == 1
         stop = threading.Event()

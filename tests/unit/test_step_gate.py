@@ -10,7 +10,6 @@ assertion rests on how long something took."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +19,7 @@ from ps_common.consistency import parse_mode
 from ps_common.errors import FailedPrecondition, InvalidArgument, PSError
 from ps_common.errors import StepTimeout
 from ps_server.consistency import Contribution, StepGate
+from ps_server.testing import wait_until
 
 WAIT_S = 30.0  # bound of every wait; never reached when the code is right
 
@@ -75,14 +75,6 @@ def make_gate(apply_average=None, **kwargs) -> StepGate:
     assert isinstance(gate._changed, threading.Condition)  # the attribute replaced below
     gate._changed = WatchedCondition()  # before any thread uses the gate
     return gate
-
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {WAIT_S:g} s")
-        time.sleep(0.005)
 
 
 def blocked(gate: StepGate, n: int, what: str) -> None:
