@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     bare = bare_server = None
                     if not args.no_baseline:
                         bare_server = bare_grpc.start_server(group)
+                        bare_idle_rss = bare_server.rss_bytes()
                         bare = stack.enter_context(bare_grpc.BareClient(bare_server.address))
                     pull_out = args.pull_out and supports_pull_out()
                     timed = run_timed(client, bare, args.size, args.lr, args.chunk_bytes,
@@ -259,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         if "baseline" in record:
             base = record["baseline"]
             record["baseline_server_peak_rss_bytes"] = bare_server.peak_rss_bytes()
+            # The same measure for grpcio's own server, which holds one buffer of the bytes
+            # it moves: what gRPC alone keeps beside such a buffer.
+            record["baseline_server_idle_rss_bytes"] = bare_idle_rss
+            record["baseline_server_peak_above_idle_over_values"] = (
+                record["baseline_server_peak_rss_bytes"] - bare_idle_rss) / nbytes
             rows += [("bare grpc", f"{base['round_trips_per_s']:.2f} round trips/s  "
                                    f"{base['gb_per_s']:.3f} GB/s  (download "
                                    f"{base['download_ms']:.0f} ms, upload {base['upload_ms']:.0f} ms; "
@@ -277,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
                  ("client peak RSS", harness.mib(record["client_peak_rss_bytes"]) +
                   ("" if args.once or args.no_baseline else " (with the baseline client's buffer)"))]
         if "baseline_server_peak_rss_bytes" in record:
-            rows.append(("bare server peak RSS", harness.mib(record["baseline_server_peak_rss_bytes"])))
+            rows.append(("bare server peak RSS", (
+                f"{harness.mib(record['baseline_server_peak_rss_bytes'])} (idle: "
+                f"{harness.mib(record['baseline_server_idle_rss_bytes'])}; above idle: "
+                f"{record['baseline_server_peak_above_idle_over_values']:.2f} x the "
+                f"{harness.mib(nbytes)} it moves, one buffer of which it holds)")))
         record["path"] = harness.path_name(args)
         rows.insert(0, ("path", harness.path_name(args)))
         harness.report("W2 big-dense" + (" once" if args.once else ""), rows, record,

@@ -215,8 +215,11 @@ class StreamAssembler:
     expected tensor sizes. Not thread-safe: one stream, one assembler.
     """
 
-    def __init__(self, destinations: Sequence, *, what: str):
+    def __init__(self, destinations: Sequence, *, what: str, on_write=None):
         self._dest = [_byte_view(d) for d in destinations]
+        # on_write(tensor, offset, data): told of each piece as it is written (while the
+        # piece is still in the CPU's caches).
+        self._on_write = on_write
         self._what = what
         self._tensor = 0
         self._offset = 0
@@ -242,6 +245,8 @@ class StreamAssembler:
                 dest[self._offset:self._offset + take] = view[:take]
             else:
                 dest.write_at(self._offset, view[:take])
+            if self._on_write is not None:
+                self._on_write(self._tensor, self._offset, view[:take])
             self._offset += take
             view = view[take:]
 

@@ -17,7 +17,9 @@ import numpy as np
 
 from ps_common.consistency import SYNC
 from ps_common.errors import InvalidArgument
-from ps_common.tensors import StreamAssembler, TensorMeta, view_bytes
+from ps_common.tensors import (
+    StreamAssembler, TensorMeta, all_finite, view_bytes, wire_raw_dtype,
+)
 from ps_server.consistency import Contribution, PushOutcome, StepGate
 from ps_server.ledger import PushLedger
 from ps_server.push_staging import PushStaging
@@ -62,8 +64,9 @@ class PushReceiver:
                 pass
             return self._duplicate(header)
         targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
+        arrival = None if self._store.allow_non_finite else FiniteOnArrival(header.metas)
         with self._staging.stage([meta.nbytes for meta in header.metas]) as staged:
-            assembler = StreamAssembler(staged.destinations, what="push")
+            assembler = StreamAssembler(staged.destinations, what="push", on_write=arrival)
             assembler.write(first_data)
             for data in more_data:
                 assembler.write(data)
@@ -72,7 +75,8 @@ class PushReceiver:
             grads = [_decode(data, meta, held.spec.dtype)
                      for data, meta, held in zip(staged.data, header.metas, targets)]
             try:
-                return self._apply(header, targets, grads, staged.release)
+                return self._apply(header, targets, grads, staged.release,
+                                   arrival.finite() if arrival else frozenset())
             finally:
                 if staged.release is not None:
                     staged.release.finish()
@@ -110,10 +114,12 @@ class PushReceiver:
             if release is not None:
                 release.finish()
 
-    def _apply(self, header: PushHeader, targets, grads, after_block=None) -> PushOutcome:
+    def _apply(self, header: PushHeader, targets, grads, after_block=None,
+               finite: frozenset[int] = frozenset()) -> PushOutcome:
+        """`finite`: the positions of gradients found finite already (FiniteOnArrival)."""
         if header.step is not None:
             self.steps.check_member(header.client_id, header.incarnation)
-        self._store.check_gradients(targets, grads, after_block)
+        self._store.check_gradients(targets, grads, after_block, finite)
         rows = self._store.sum_rows(targets, grads, header.row_ids)
         if header.step is not None and self.steps.kind_of(header.client_id) == SYNC:
             if any(r is not None for r in rows or ()):
@@ -164,6 +170,34 @@ class PushReceiver:
                     with self._ledger.exactly_once(c.client_id, c.incarnation, c.sequence,
                                                    c.acked_through):
                         pass
+
+
+class FiniteOnArrival:
+    """The finiteness check of a streamed push's gradients, made on each piece as it
+    arrives (a StreamAssembler's `on_write`), while the piece is still in the CPU's caches:
+    the check no longer reads the whole push back from memory, or from its staging file,
+    before the update reads it once more. A tensor whose pieces cannot be checked that way
+    (a wire dtype numpy cannot test, a piece that splits an element) or that holds a
+    non-finite value is left out of `finite()`, for the full check to decide and report."""
+
+    _CHECKABLE = frozenset(("float16", "float32", "float64"))
+
+    def __init__(self, metas: list[TensorMeta]):
+        self._dtypes = [wire_raw_dtype(meta.dtype) if meta.dtype in self._CHECKABLE else None
+                        for meta in metas]
+        self._unchecked = {i for i, dtype in enumerate(self._dtypes) if dtype is None}
+
+    def __call__(self, tensor: int, offset: int, data: memoryview) -> None:
+        if tensor in self._unchecked:
+            return
+        itemsize = self._dtypes[tensor].itemsize
+        if offset % itemsize or len(data) % itemsize:
+            self._unchecked.add(tensor)
+        elif len(data) and not all_finite(np.frombuffer(data, self._dtypes[tensor])):
+            self._unchecked.add(tensor)
+
+    def finite(self) -> frozenset[int]:
+        return frozenset(range(len(self._dtypes))) - self._unchecked
 
 
 def _check_identity(header: PushHeader) -> None:

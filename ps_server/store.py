@@ -404,13 +404,14 @@ class ShardStore:
         return targets
 
     def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray],
-                        after_block=None) -> None:
+                        after_block=None, finite: frozenset[int] = frozenset()) -> None:
         """Refuse non-finite gradients. `after_block(block)` is called with each block of
-        a gradient once it has been read (a push read from shared memory releases it)."""
+        a gradient once it has been read (a push read from shared memory releases it).
+        `finite`: positions of gradients already found finite, not read again."""
         if self.allow_non_finite:
             return
-        for held, grad in zip(targets, grads):
-            if grad.size and not all_finite(grad, after_block):
+        for i, (held, grad) in enumerate(zip(targets, grads)):
+            if i not in finite and grad.size and not all_finite(grad, after_block):
                 bad = int(np.size(grad) - np.count_nonzero(np.isfinite(grad)))
                 raise InvalidArgument(
                     f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "

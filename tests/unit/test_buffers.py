@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+
+import pytest
+
 from ps_server.buffers import BufferPool
 
 
@@ -24,3 +30,13 @@ def test_idle_buffers_beyond_the_cap_are_dropped():
     pool.release(dropped)
     assert pool.cached_bytes == 800
     assert pool.acquire(800) is kept
+
+
+def test_ps_server_asks_glibc_for_one_malloc_arena():
+    """In a child process: the setting is process-wide and must not leak into the tests."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt's arena setting is glibc's")
+    code = "from ps_server.memory import use_one_malloc_arena as f; print(f())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == "True", done.stderr
