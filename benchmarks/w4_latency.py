@@ -2,7 +2,9 @@
 
 Beside it, in the same run, the baseline: a bare grpcio unary call (echo) of the same 1 KiB,
 and, to separate the cost of the RPC shape from the library's, a bare unary-stream call
-returning the same 1 KiB in one message (Pull's shape). Every series is timed after a
+returning the same 1 KiB in one message (Pull's shape); and, to separate the client
+library's cost from the server's, the same PullUnary request made with a bare generated stub
+(the paramserve server and gRPC, no PSClient). Every series is timed after a
 warm-up, and the series alternate in blocks so that all see the same machine load.
 Latencies are in microseconds.
 
@@ -23,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bare_grpc
 import harness
 
+from ps_common.rpc import make_channel
+from ps_proto.v1 import parameter_server_pb2 as ps_pb
+from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
 from ps_worker import PSClient
 
 NAME = "w4"
@@ -69,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls < 1 or args.warmup < 0 or not 1 <= args.blocks <= args.calls:
         p.error("--calls must be >= 1, --warmup >= 0 and --blocks in 1..calls")
     nbytes = 4 * ELEMENTS
-    # Bounded: startup plus three series at <= 10 ms per call.
-    bound = 120 + 3 * (args.calls + args.warmup) * 0.01
+    # Bounded: startup plus four series at <= 10 ms per call.
+    bound = 120 + 4 * (args.calls + args.warmup) * 0.01
     with harness.bounded(bound, "w4_latency"), \
             harness.cluster(1, log_level="warning", server_args=harness.no_shm_args(args)) as c, \
             harness.ProcessGroup() as group:
@@ -80,17 +85,32 @@ def main(argv: list[str] | None = None) -> int:
             client.declare(NAME, (ELEMENTS,), "float32", init="normal", seed=4)
             expected = client.pull(NAME)
             payload = bytes(nbytes)
+            shard_map = client.shard_map
+            (shard,) = shard_map.shards[NAME]
+            request = ps_pb.PullRequest(epoch=shard_map.epoch, shards=[
+                ps_pb.ShardRef(variable=NAME, index=shard.index)])
+            channel = make_channel(shard_map.servers[shard.server_id])
+            pull_unary = ps_grpc.ParameterServerStub(channel).PullUnary
             series = {"paramserve": lambda: client.pull(NAME),
                       "bare_unary": lambda: bare.echo(payload),
-                      "bare_unary_stream": lambda: bare.download(nbytes, nbytes)}
-            latencies = interleaved(series, args.calls, args.warmup, args.blocks)
+                      "bare_unary_stream": lambda: bare.download(nbytes, nbytes),
+                      "stub_pull_unary": lambda: pull_unary(request, timeout=30)}
+            try:
+                latencies = interleaved(series, args.calls, args.warmup, args.blocks)
+            finally:
+                channel.close()
             if not np.array_equal(client.pull(NAME), expected):
                 raise RuntimeError("pulled values changed without a push")
-    ps, unary, stream = (latencies[k] for k in series)
+    ps, unary, stream, stub = (latencies[k] for k in series)
     record = {"value_bytes": nbytes, "paramserve": _summary(ps),
-              "bare_unary": _summary(unary), "bare_unary_stream": _summary(stream)}
+              "bare_unary": _summary(unary), "bare_unary_stream": _summary(stream),
+              "stub_pull_unary": _summary(stub)}
     record["ratio_p50"] = record["paramserve"]["p50_us"] / record["bare_unary"]["p50_us"]
     record["ratio_p99"] = record["paramserve"]["p99_us"] / record["bare_unary"]["p99_us"]
+    # Where the p50 above a bare unary call goes: the client library, the server and gRPC.
+    record["client_library_p50_us"] = (record["paramserve"]["p50_us"]
+                                       - record["stub_pull_unary"]["p50_us"])
+    record["server_p50_us"] = record["stub_pull_unary"]["p50_us"] - record["bare_unary"]["p50_us"]
 
     def line(s: dict) -> str:
         return (f"p50 {s['p50_us']:7.0f}  p99 {s['p99_us']:7.0f}  mean {s['mean_us']:7.0f}  "
@@ -100,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             ("paramserve pull", line(record["paramserve"])),
             ("bare unary echo", line(record["bare_unary"])),
             ("bare unary-stream", line(record["bare_unary_stream"])),
+            ("PullUnary, bare stub", line(record["stub_pull_unary"]) + "  (server + gRPC, no PSClient)"),
             ("ratio to bare unary", f"p50 {record['ratio_p50']:.2f}x  p99 {record['ratio_p99']:.2f}x"),
+            ("p50 above bare unary", f"{record['client_library_p50_us']:.0f} us in PSClient, "
+                                     f"{record['server_p50_us']:.0f} us in the server's call"),
             ("ratio to bare stream", f"p50 {record['paramserve']['p50_us'] / record['bare_unary_stream']['p50_us']:.2f}x")]
     record["path"] = harness.path_name(args)
     rows.insert(0, ("path", harness.path_name(args)))
