@@ -25,10 +25,10 @@ from ps_server.control import CoordinatorFence
 from ps_server.ledger import PushLedger
 from ps_server import snapshots
 from ps_server.consistency import PushOutcome
-from ps_server.pushes import PushHeader, PushReceiver
-from ps_server.restore import ShardRestore
 from ps_server.live_reads import LiveRead, PullCopies
 from ps_server.push_staging import PushStaging
+from ps_server.pushes import PushHeader, PushReceiver
+from ps_server.restore import ShardRestore
 from ps_server.shared_memory import SharedMemory
 from ps_server.store import HeldShard, ShardStore
 from ps_server.streams import StreamLimiter
