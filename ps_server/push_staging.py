@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import mmap
 import os
 import tempfile
@@ -91,7 +92,7 @@ class PushStaging:
         self.directory = directory or tempfile.gettempdir()
         self._in_memory = 0
         self._lock = threading.Lock()
-        self.staged_pushes = 0  # pushes that waited in a file (for tests and metrics)
+        self.staged_pushes = 0  # pushes that waited in a file, so far
 
     def memory_bound(self) -> int:
         if self._memory_bytes is not None:
@@ -109,7 +110,7 @@ class PushStaging:
                 self._in_memory += total
         if not in_memory:
             with self._file(total) as fd:
-                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                starts = itertools.accumulate(sizes[:-1], initial=0)
                 staged = Staged(sizes, [_FileRegion(fd, start, size)
                                         for start, size in zip(starts, sizes)], fd=fd)
                 try:

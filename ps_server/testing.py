@@ -23,9 +23,22 @@ import grpc
 
 from ps_common.errors import PSError
 from ps_common.tls import TLS
+from ps_proto.v1 import parameter_server_pb2 as ps_pb
+from ps_proto.v1 import tensor_pb2
 from ps_server.app import ParameterServer, ServerConfig
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.checkpointer import Interval
+
+
+def first_shard_push_header(shard_map, name: str, client_id: str) -> ps_pb.PushHeader:
+    """The header of a raw push (sequence 1) of a float32 gradient for shard 0 of `name`,
+    for tests that drive the Push stream by hand (`shard_map`: a PSClient's)."""
+    shard, spec = shard_map.shards[name][0], shard_map.spec(name)
+    return ps_pb.PushHeader(
+        client_id=client_id, incarnation=1, sequence=1, acked_through=0,
+        epoch=shard_map.epoch, shards=[ps_pb.ShardRef(variable=name, index=shard.index)],
+        tensors=[tensor_pb2.TensorMeta(
+            dtype=tensor_pb2.FLOAT32, shape=[shard.row_stop - shard.row_start, *spec.shape[1:]])])
 
 
 def wait_until(predicate, what: str, timeout_s: float = 30.0, poll_s: float = 0.005) -> None:

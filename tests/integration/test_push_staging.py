@@ -14,10 +14,9 @@ import pytest
 from ps_common.rpc import make_channel
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
-from ps_proto.v1 import tensor_pb2
 from ps_server.app import ServerConfig
 from ps_server.cli import build_parser, config_from_args
-from ps_server.testing import wait_until
+from ps_server.testing import first_shard_push_header, wait_until
 from ps_worker import PSClient, RemoteError
 
 SHARED_MEMORY = False
@@ -139,14 +138,7 @@ class RawPush:
     ends it in any case, whether or not all the bytes its header announced were sent."""
 
     def __init__(self, cluster, ps: PSClient, name: str):
-        shard_map = ps.shard_map
-        shard, spec = shard_map.shards[name][0], shard_map.spec(name)
-        self._header = ps_pb.PushHeader(
-            client_id=f"raw-{uuid.uuid4().hex}", incarnation=1, sequence=1, acked_through=0,
-            epoch=shard_map.epoch, shards=[ps_pb.ShardRef(variable=name, index=shard.index)],
-            tensors=[tensor_pb2.TensorMeta(
-                dtype=tensor_pb2.FLOAT32,
-                shape=[shard.row_stop - shard.row_start, *spec.shape[1:]])])
+        self._header = first_shard_push_header(ps.shard_map, name, f"raw-{uuid.uuid4().hex}")
         self._channel = make_channel(cluster.servers[0].address)
         self._pieces: list[bytes] = []
         self._ended = threading.Event()

@@ -24,7 +24,7 @@ from ps_proto.v1 import tensor_pb2
 from ps_server.app import SERVICE_NAME, ParameterServer, ServerConfig
 from ps_server.cli import build_parser, config_from_args
 from ps_server.streams import StreamLimiter
-from ps_server.testing import wait_until
+from ps_server.testing import first_shard_push_header, wait_until
 from ps_worker import PSClient, RemoteError, RetryPolicy
 
 # These tests inject faults into calls on the wire: servers without shared memory.
@@ -81,14 +81,7 @@ class StalledPush:
     of the bytes its header announced. `future` is the call."""
 
     def __init__(self, channel: grpc.Channel, ps: PSClient, name: str):
-        shard_map = ps.shard_map
-        shard, spec = shard_map.shards[name][0], shard_map.spec(name)
-        header = ps_pb.PushHeader(
-            client_id=f"stalled-{uuid.uuid4().hex}", incarnation=1, sequence=1, acked_through=0,
-            epoch=shard_map.epoch, shards=[ps_pb.ShardRef(variable=name, index=shard.index)],
-            tensors=[tensor_pb2.TensorMeta(
-                dtype=tensor_pb2.FLOAT32,
-                shape=[shard.row_stop - shard.row_start, *spec.shape[1:]])])
+        header = first_shard_push_header(ps.shard_map, name, f"stalled-{uuid.uuid4().hex}")
         self.release = threading.Event()
 
         def chunks():

@@ -77,6 +77,15 @@ def make_gate(apply_average=None, **kwargs) -> StepGate:
     return gate
 
 
+def sync_gate(clients: str) -> tuple[Recorder, StepGate]:
+    """A gate each of `clients` (one-letter ids) joined in sync mode, and its recorder."""
+    recorder = Recorder()
+    gate = make_gate(recorder)
+    for client in clients:
+        gate.join(client, 1, SYNC)
+    return recorder, gate
+
+
 def blocked(gate: StepGate, n: int, what: str) -> None:
     wait_until(lambda: gate._changed.waiting == n, f"{n} call(s) waiting in the gate ({what})")
 
@@ -276,10 +285,7 @@ def test_sync_applies_the_average_of_both_members_gradients_once_per_step(spawn)
 
 
 def test_sync_a_late_gradient_is_dropped_counted_and_never_applied(spawn):
-    recorder = Recorder()
-    gate = make_gate(recorder)
-    for client in "ab":
-        gate.join(client, 1, SYNC)
+    recorder, gate = sync_gate("ab")
     a = spawn(gate.contribute, contribution("a", 1), 0, [T0], grads([1.0]))
     blocked(gate, 1, "a waits for b")
     gate.contribute(contribution("b", 1), 0, [T0], grads([3.0]))
@@ -297,10 +303,7 @@ def test_sync_a_late_gradient_is_dropped_counted_and_never_applied(spawn):
 
 
 def test_sync_a_push_of_a_step_ahead_is_refused(spawn):
-    recorder = Recorder()
-    gate = make_gate(recorder)
-    for client in "ab":
-        gate.join(client, 1, SYNC)
+    recorder, gate = sync_gate("ab")
     with pytest.raises(FailedPrecondition) as caught:
         gate.contribute(contribution("a", 1), 1, [T0], grads([100.0]))
     assert "step 1" in caught.value.message and "step 0" in caught.value.message
@@ -343,10 +346,7 @@ def test_sync_a_single_member_with_one_replica_applies_each_step_at_once():
 
 
 def test_sync_a_retried_contribution_in_the_same_step_is_counted_once(spawn):
-    recorder = Recorder()
-    gate = make_gate(recorder)
-    for client in "ab":
-        gate.join(client, 1, SYNC)
+    recorder, gate = sync_gate("ab")
     first = spawn(gate.contribute, contribution("a", 7), 0, [T0], grads([1.0]))
     blocked(gate, 1, "a's push waits for b")
     retry = spawn(gate.contribute, contribution("a", 7), 0, [T0], grads([1.0]))  # same push
@@ -360,10 +360,7 @@ def test_sync_a_retried_contribution_in_the_same_step_is_counted_once(spawn):
 
 @pytest.mark.parametrize("how", ["leave", "retired"])
 def test_sync_a_member_gone_while_the_others_wait_completes_the_step(spawn, how):
-    recorder = Recorder()
-    gate = make_gate(recorder)
-    for client in "abc":
-        gate.join(client, 1, SYNC)
+    recorder, gate = sync_gate("abc")
     a = spawn(gate.contribute, contribution("a"), 0, [T0, T1], grads([1.0], [2.0]))
     b = spawn(gate.contribute, contribution("b"), 0, [T0, T1], grads([3.0], [6.0]))
     blocked(gate, 2, "a and b wait for c")
