@@ -224,20 +224,24 @@ class Cluster:
 def cluster(n_servers: int = 1, *, server_args: Sequence[str] = (),
             coordinator_args: Sequence[str] = (), log_level: str = "info",
             timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[Cluster]:
-    """A coordinator plus `n_servers` ps-server processes (ids s0, s1, ...), each registered.
+    """A coordinator plus `n_servers` ps-server processes (ids s0, s1, ...), each registered,
+    each with ps-cluster's environment for them (one BLAS thread).
 
     Yields once every server has registered with the coordinator; stops them all on exit.
     """
-    py = sys.executable
+    from ps_worker.cluster import daemon_environment
+
+    py, env = sys.executable, daemon_environment()
     with ProcessGroup() as group:
         coordinator = group.spawn("coordinator", [
             py, "-m", "ps_server.coordinator.cli", "--host", HOST, "--port", "0",
             "--recovery-grace", "0",
-            "--grace", "1", "--log-level", log_level, *coordinator_args], timeout_s=timeout_s)
+            "--grace", "1", "--log-level", log_level, *coordinator_args], timeout_s=timeout_s,
+            env=env)
         servers = [group.spawn(f"s{i}", [
             py, "-m", "ps_server.cli", "--host", HOST, "--port", "0",
             "--coordinator", coordinator.address, "--server-id", f"s{i}", "--grace", "1",
-            "--log-level", "info", *server_args], timeout_s=timeout_s)
+            "--log-level", "info", *server_args], timeout_s=timeout_s, env=env)
             for i in range(n_servers)]
         wait_registered(coordinator, servers, timeout_s)
         yield Cluster(coordinator, servers)
@@ -283,6 +287,29 @@ def _status_kib(pid: int | str, key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     raise KeyError(f"{key} not in /proc/{pid}/status")
+
+
+def thread_census() -> str:
+    """How many threads this machine runs against its limits on them, for the message of a
+    child that died: a thread that cannot be created (pthread_create: EAGAIN) aborts grpcio's
+    C core, and this tells a machine out of threads from a fault of the child's own."""
+    import resource
+
+    threads = processes = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                threads += len(os.listdir(f"/proc/{entry.name}/task"))
+                processes += 1
+    limits = [f"RLIMIT_NPROC {resource.getrlimit(resource.RLIMIT_NPROC)[0]}"]
+    for name, path in (("pids.max", "/sys/fs/cgroup/pids.max"),
+                       ("pids.max", "/sys/fs/cgroup/pids/pids.max"),
+                       ("threads-max", "/proc/sys/kernel/threads-max"),
+                       ("pid_max", "/proc/sys/kernel/pid_max")):
+        with contextlib.suppress(OSError):
+            limits.append(f"{name} {Path(path).read_text().strip()}")
+    return (f"this machine: {threads} threads in {processes} processes, "
+            f"{os.cpu_count()} cores; limits: {', '.join(limits)}")
 
 
 def peak_rss_bytes(pid: int | str = "self") -> int:

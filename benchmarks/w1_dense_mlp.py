@@ -154,7 +154,8 @@ class W1Cluster:
         for process in self.processes:
             if process.popen.poll() is not None:
                 raise RuntimeError(f"{process.name} exited with status "
-                                   f"{process.popen.returncode}:\n{process.log_tail()}")
+                                   f"{process.popen.returncode} ({harness.thread_census()}):"
+                                   f"\n{process.log_tail()}")
 
 
 @contextlib.contextmanager

@@ -63,6 +63,14 @@ def worker_environment(workers: int) -> dict[str, str]:
     return {**os.environ, **{k: os.environ.get(k, threads) for k in BLAS_THREAD_VARIABLES}}
 
 
+def daemon_environment() -> dict[str, str]:
+    """The coordinator's and the servers' environment: one BLAS thread each, unless the user
+    set these already. They never multiply matrices (optimizers are elementwise), and a BLAS
+    library starts a thread per core when numpy is imported: 63 idle threads per daemon on a
+    64-core host, which count against the host's process limit all the same."""
+    return {**os.environ, **{k: os.environ.get(k, "1") for k in BLAS_THREAD_VARIABLES}}
+
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -452,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             *(["--checkpoint-every", checkpoint_every] if checkpoint_every else []),
             *(["--keep-serving"] if args.keep_serving else []), *metrics(0), *passed_on,
             *client_ca),
-            log_dir)
+            log_dir, env=daemon_environment())
         children.append(coordinator)
         address = coordinator.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         progress.note(f"coordinator on {address}; logs in {log_dir}")
@@ -460,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.servers):  # each child is owned (stopped at exit) once it exists
             servers.append(Child(f"server-{i}", _python(
                 "ps_server.cli", "--port", "0", "--server-id", f"ps-{i}", "--coordinator",
-                address, *hb, *metrics(1 + i), *passed_on, *client_ca), log_dir))
+                address, *hb, *metrics(1 + i), *passed_on, *client_ca), log_dir,
+                env=daemon_environment()))
             children.append(servers[-1])
         for server in servers:
             server.wait_for_address(time.monotonic() + READY_TIMEOUT_S)

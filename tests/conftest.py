@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 
 import pytest
+
+# One BLAS thread in every process of the suite (this one, and the servers, workers and
+# benchmarks it starts, which inherit it), set before anything imports numpy. The tests time
+# nothing, and a BLAS library otherwise starts a thread per core in each process: on a
+# many-core host, thousands over the suite, against the host's process limit.
+# (The names are ps_worker.cluster.BLAS_THREAD_VARIABLES; importing it here would import numpy.)
+for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
 
 
 # The fixture users get (README): `ps_cluster`, a started 2-server InProcessCluster.

@@ -23,17 +23,21 @@ BENCHMARKS = ROOT / "benchmarks"
 RUN_TIMEOUT_S = 120.0  # a quick run takes seconds; this only bounds a hung one
 STOP_TIMEOUT_S = 30.0  # after SIGTERM, the script stops every process it started
 pytestmark = [pytest.mark.system,
-              pytest.mark.timeout(RUN_TIMEOUT_S + 2 * STOP_TIMEOUT_S + 30)]
+              pytest.mark.timeout(2 * (RUN_TIMEOUT_S + 2 * STOP_TIMEOUT_S) + 30)]  # a retry
 CONTEXT_KEYS = {"benchmark", "quick", "date", "commit", "machine", "argv", "loadavg_1m"}
 needs_py_spy = pytest.mark.skipif(shutil.which("py-spy") is None,
                                   reason="py-spy is not installed (pip install py-spy)")
 
 
-def run_quick(script: str, *args: str) -> dict:
-    """Run `benchmarks/<script> --quick *args`; assert exit 0; return its last line's JSON.
+# A process that cannot create a thread (pthread_create: EAGAIN, the machine is out of them)
+# aborts inside grpcio's C core. That says nothing about the script, so such a run is tried
+# once more; a script that leaks threads fails the second run too.
+OUT_OF_THREADS = "pthread_create failed"
 
-    Bounded: past RUN_TIMEOUT_S the script gets SIGTERM (on which it stops its children),
-    then SIGKILL (its children get SIGTERM from the kernel when it dies)."""
+
+def _run(script: str, args: tuple[str, ...]) -> tuple[int, str, str]:
+    """One bounded run: past RUN_TIMEOUT_S the script gets SIGTERM (on which it stops its
+    children), then SIGKILL (its children get SIGTERM from the kernel when it dies)."""
     proc = subprocess.Popen([sys.executable, str(BENCHMARKS / script), "--quick", *args],
                             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -48,7 +52,17 @@ def run_quick(script: str, *args: str) -> dict:
             out, err = proc.communicate(timeout=STOP_TIMEOUT_S)
         pytest.fail(f"{script} --quick did not finish within {RUN_TIMEOUT_S:g} s:\n"
                     f"{out[-3000:]}\n{err[-3000:]}")
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
+    return proc.returncode, out, err
+
+
+def run_quick(script: str, *args: str) -> dict:
+    """Run `benchmarks/<script> --quick *args`; assert exit 0; return its last line's JSON."""
+    returncode, out, err = _run(script, args)
+    if returncode != 0 and OUT_OF_THREADS in out + err:
+        print(f"{script} --quick: a process ran out of threads; trying once more:\n"
+              f"{err[-3000:]}", file=sys.stderr)
+        returncode, out, err = _run(script, args)
+    assert returncode == 0, f"{script} exited {returncode}:\n{out[-3000:]}\n{err[-3000:]}"
     lines = out.strip().splitlines()
     assert lines, f"{script} printed nothing:\n{err[-3000:]}"
     record = json.loads(lines[-1])
@@ -128,7 +142,7 @@ def test_w5_scale():
     r = run_quick("w5_scale.py")
     assert {"configs", "compute_only", "seconds", "warmup"} <= r.keys()
     configs = {(c["servers"], c["workers"]): c for c in r["configs"]}
-    assert set(configs) == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert set(configs) == {(2, 1), (2, 2)}
     for (servers, workers), c in configs.items():
         assert c["steps"] > 0 and len(c["worker_steps_per_s"]) == workers
         assert set(c["cpu_ms_per_step_by_role"]) == {"coordinator", "servers", "workers"}
