@@ -5,10 +5,15 @@ with `PSClient.declare_embedding` (cut by id over every server, SGD on the serve
 coordinator and `--servers` real ps-server processes; `--workers` worker processes, each its
 own PSClient, loop over steps:
 
-    ids   = numpy.random.default_rng(seed).zipf(1.2, 4096) % 1_000_000  # seed: worker and step
-    rows  = client.pull_rows(table, ids, out=buffer)       # deduplicated, each server in parallel
-    grads = rows * 0.01                                     # fake gradient: cheap, the real shape
-    client.push_rows(table, ids, grads)                    # duplicates summed, SGD on touched rows
+    grads    = rows * 0.01                 # fake gradient of this step's rows: the real shape
+    next_ids = numpy.random.default_rng(seed).zipf(1.2, 4096) % 1_000_000  # worker and step
+    rows     = client.push_pull_rows(table, ids, grads, next_ids, out=buffer)
+    ids      = next_ids
+
+`push_pull_rows` pushes the step's gradient (duplicates summed, SGD on the touched rows) and
+then pulls the next step's rows (deduplicated), each server in parallel, both in one call per
+server over gRPC: the same as `push_rows` followed by `pull_rows`, which `--separate-calls`
+runs instead.
 
 Each worker stamps the end of every step (CLOCK_MONOTONIC, shared by the processes); the
 benchmark cuts the `--seconds` after `--warmup` into `--slices` slices and reports the
@@ -85,7 +90,8 @@ CATEGORIES = [
     ("thread handoff (ThreadPoolExecutor.submit, futures.wait)",
      ("ThreadPoolExecutor.submit", "_run_groups", "concurrent/futures/")),
     ("fake gradient (worker)", ("fake_gradient",)),
-    ("client pull_rows/push_rows own lines", ("pull_rows (", "push_rows (", "_pull_rows_from")),
+    ("client pull_rows/push_rows own lines", ("pull_rows (", "push_rows (", "_pull_rows_from",
+                                              "push_pull_rows (", "_push_rows (")),
     ("shared memory (slots, handshakes)", ("shared_memory.py",)),
     *harness.PY_SPY_CATEGORIES,
 ]
@@ -210,13 +216,22 @@ def worker_main(spec: dict) -> int:
     with PSClient(spec["coordinator"], client_id=f"w3-w{index}-{os.getpid()}",
                   **kwargs) as client:
         out = np.empty((batch, dim), np.float32)
+        ids = draw_ids(step_seed(stream, WARM_OFFSET), rows, batch)
+        pulled = client.pull_rows(NAME, ids, out=out)
 
         def one_step(seed: int) -> None:
-            ids = draw_ids(seed, rows, batch)
-            pulled = client.pull_rows(NAME, ids, out=out)
-            client.push_rows(NAME, ids, fake_gradient(pulled))
+            """Push the gradient of the rows in hand; pull the rows of the ids of `seed`."""
+            nonlocal ids, pulled
+            grads = fake_gradient(pulled)
+            next_ids = draw_ids(seed, rows, batch)
+            if spec["separate_calls"]:
+                client.push_rows(NAME, ids, grads)
+                pulled = client.pull_rows(NAME, next_ids, out=out)
+            else:
+                pulled = client.push_pull_rows(NAME, ids, grads, next_ids, out=out)
+            ids = next_ids
 
-        for k in range(WARM_STEPS):
+        for k in range(1, WARM_STEPS + 1):
             one_step(step_seed(stream, WARM_OFFSET + k))
         print(READY, flush=True)
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -280,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"ids drawn per step (default {BATCH})")
     p.add_argument("--servers", type=int, default=2, help="servers (default 2)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--separate-calls", action="store_true",
+                   help="push_rows then pull_rows, two calls per server a step, instead of "
+                   "push_pull_rows (one)")
     p.add_argument("--py-spy", action="store_true",
                    help="after the measured window, sample every server and worker with "
                    "py-spy for --profile-seconds and sort the samples into categories")
@@ -303,6 +321,7 @@ def start_workers(group: harness.ProcessGroup, address: str, args, tmp: Path) ->
     for i in range(args.workers):
         spec = {"index": i, "coordinator": address, "rows": args.rows, "dim": args.dim,
                 "batch": args.batch, "shared_memory": not args.no_shm,
+                "separate_calls": args.separate_calls,
                 "go": str(tmp / "go"), "stop": str(tmp / "stop"),
                 "result": str(tmp / f"w{i}.json"),
                 "max_seconds": args.warmup + args.seconds + args.profile_seconds + 300}
@@ -492,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = {w["name"]: sorted(set(w["paths"].values())) for w in raw["workers"]}
     table_per_server = table_bytes / args.servers
     record: dict = {
-        "path": harness.path_name(args), "rows": args.rows, "dim": args.dim,
+        "path": harness.path_name(args), "separate_calls": args.separate_calls,
+        "rows": args.rows, "dim": args.dim,
         "batch": args.batch, "servers": args.servers, "workers": args.workers,
         "table_bytes": table_bytes, **{k: v for k, v in fig.items() if k != "cpu_by_process"},
         "cpu_by_process": fig["cpu_by_process"],
@@ -520,8 +540,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"({harness.mib(table_bytes)}), uniform +-0.05, sgd lr {LR}, cut by id over "
                   f"{args.servers} servers (declared in {raw['declare_s']:.1f} s)")),
         ("workload", (f"{args.workers} worker processes, each step: {args.batch} ids "
-                     f"zipf({ZIPF_A}) % {args.rows:,} -> pull_rows -> grad = rows x "
-                     f"{float(GRAD_SCALE):g} -> push_rows; {os.cpu_count()} cores")),
+                     f"zipf({ZIPF_A}) % {args.rows:,}; grad = the step's rows x "
+                     f"{float(GRAD_SCALE):g}; "
+                     + ("push_rows, then pull_rows of the next step's ids"
+                        if args.separate_calls else
+                        "push_pull_rows: the push, and the next step's ids' rows back")
+                     + f"; {os.cpu_count()} cores")),
         ("paramserve", (f"{rate:.1f} steps/s total (median of {args.slices} slices of "
                        f"{fig['slice_s']:.1f} s: {slices}); {fig['steps']} steps in "
                        f"{fig['elapsed_s']:.1f} s after {args.warmup:g} s warm-up; per worker "

@@ -268,6 +268,7 @@ class StreamAssembler:
 
 _HEADER_TAG = b"\x0a"  # field 1, length-delimited
 _DATA_TAG = b"\x12"  # field 2, length-delimited
+_ATTACHED_TAG = b"\x1a"  # field 3, length-delimited
 
 
 def _varint(value: int) -> bytes:
@@ -295,9 +296,11 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_chunk(header: bytes | None, data) -> bytes:
+def encode_chunk(header: bytes | None, data, attached: bytes | None = None) -> bytes:
     """A serialized chunk message: `header` (serialized header message) and raw `data`, a
-    bytes-like object or a list of them (concatenated: one copy of each into the message)."""
+    bytes-like object or a list of them (concatenated: one copy of each into the message);
+    `attached`, a serialized message for field 3 (PushThenPull's pull request or push
+    reply)."""
     pieces = data if isinstance(data, list) else [data]
     size = sum(memoryview(piece).nbytes for piece in pieces)
     parts = []
@@ -305,22 +308,26 @@ def encode_chunk(header: bytes | None, data) -> bytes:
         parts += [_HEADER_TAG, _varint(len(header)), header]
     if size:
         parts += [_DATA_TAG, _varint(size), *pieces]
+    if attached is not None:
+        parts += [_ATTACHED_TAG, _varint(len(attached)), attached]
     return b"".join(parts)
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """A decoded chunk message: the header's serialized bytes (or None) and a view of data."""
+    """A decoded chunk message: the header's serialized bytes (or None), a view of data,
+    and field 3's serialized message (or None), which only PushThenPull's messages carry."""
 
     header: memoryview | None
     data: memoryview
+    attached: memoryview | None = None
 
 
 def decode_chunk(raw: bytes) -> Chunk:
     """Parse a chunk message without copying its data. Unknown fields are skipped, as
     protobuf does; a malformed message raises InvalidArgument."""
     view = memoryview(raw)
-    header, data = None, view[0:0]
+    header, data, attached = None, view[0:0], None
     pos = 0
     while pos < len(view):
         key, pos = _read_varint(view, pos)
@@ -339,6 +346,10 @@ def decode_chunk(raw: bytes) -> Chunk:
                 header = value
             elif field == 2:
                 data = value
+            elif field == 3:
+                if attached is not None:
+                    raise InvalidArgument("malformed chunk message: field 3 twice")
+                attached = value
         elif wire_type == 0:
             _, pos = _read_varint(view, pos)
         elif wire_type in (1, 5):
@@ -347,4 +358,4 @@ def decode_chunk(raw: bytes) -> Chunk:
             raise InvalidArgument(f"malformed chunk message: wire type {wire_type}")
     if pos != len(view):
         raise InvalidArgument("malformed chunk message: truncated field")
-    return Chunk(header, data)
+    return Chunk(header, data, attached)

@@ -30,7 +30,7 @@ from ps_server.push_staging import PushStaging
 from ps_server.pushes import PushHeader, PushReceiver
 from ps_server.restore import ShardRestore
 from ps_server.shared_memory import SharedMemory
-from ps_server.store import HeldShard, ShardStore
+from ps_server.store import CheckedRead, HeldShard, ShardStore
 from ps_server.streams import StreamLimiter
 
 
@@ -109,33 +109,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def PullUnary(self, request: pb.PullRequest, context):
         with translate_errors(context, "PullUnary"):
-            wire = (dtype_from_proto(request.wire_dtype, what="pull wire_dtype")
-                    if request.wire_dtype else None)
-            plan = self._store.plan_pull(
-                request.epoch, [(r.variable, r.index) for r in request.shards], wire,
-                row_ids_of(request.shards))
-            total = sum(meta.nbytes for _, meta, _ in plan)
-            # Bounded by what one message may carry, not by this server's --chunk-bytes:
-            # clients choose the unary call by their own chunk size.
-            if total > MAX_CHUNK_BYTES:
-                raise InvalidArgument(f"PullUnary of {total} bytes: more than one message "
-                                      f"may carry ({MAX_CHUNK_BYTES} bytes); use Pull")
-            header = pb.PullHeader(
-                tensors=[meta.to_proto() for _, meta, _ in plan]).SerializeToString()
-            # The message is built in one copy from the shards' values, under their locks
-            # (taken in key order, as pushes take them): one consistent cut of all of them.
-            # (Rows of tables were read already, each shard's at one instant.)
-            locks = [held.lock for held, _, rows in sorted(plan, key=lambda part: part[0].key)
-                     if rows is None]
-            for lock in locks:
-                lock.acquire()
-            try:
-                return encode_chunk(header, [
-                    _wire_bytes(held.values if rows is None else rows, meta.dtype)
-                    for held, meta, rows in plan])
-            finally:
-                for lock in locks:
-                    lock.release()
+            return self._one_message(self._check_unary_pull(request, "PullUnary"))
 
     def PushUnary(self, chunk: Chunk | InvalidArgument, context):
         with translate_errors(context, "PushUnary"):
@@ -144,6 +118,55 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 raise InvalidArgument("a push must carry its header")
             header = _push_header(_parse_header(chunk.header))
             return _push_reply(self._pushes.receive_whole(header, chunk.data))
+
+    def PushThenPull(self, chunk: Chunk | InvalidArgument, context):
+        with translate_errors(context, "PushThenPull"):
+            chunk = _checked(chunk)
+            if chunk.header is None or chunk.attached is None:
+                raise InvalidArgument("PushThenPull must carry a push header and a pull")
+            header = _push_header(_parse_header(chunk.header))
+            try:
+                pull = pb.PullRequest.FromString(chunk.attached)
+            except DecodeError:
+                raise InvalidArgument("malformed pull request in PushThenPull") from None
+            # The pull is checked first: a request that would fail changes nothing.
+            checked = self._check_unary_pull(pull, "PushThenPull")
+            pushed = _push_reply(self._pushes.receive_whole(header, chunk.data))
+            return self._one_message(checked, pushed.SerializeToString())
+
+    def _check_unary_pull(self, request: pb.PullRequest, method: str) -> list[CheckedRead]:
+        wire = (dtype_from_proto(request.wire_dtype, what="pull wire_dtype")
+                if request.wire_dtype else None)
+        checked = self._store.check_pull(
+            request.epoch, [(r.variable, r.index) for r in request.shards], wire,
+            row_ids_of(request.shards))
+        total = sum(read.meta.nbytes for read in checked)
+        # Bounded by what one message may carry, not by this server's --chunk-bytes:
+        # clients choose the unary call by their own chunk size.
+        if total > MAX_CHUNK_BYTES:
+            raise InvalidArgument(f"{method} pulling {total} bytes: more than one message "
+                                  f"may carry ({MAX_CHUNK_BYTES} bytes); use Pull")
+        return checked
+
+    def _one_message(self, checked: list[CheckedRead], attached: bytes | None = None) -> bytes:
+        """A checked pull's answer in one message (with `attached` as its field 3)."""
+        plan = self._store.read_pull(checked)
+        header = pb.PullHeader(
+            tensors=[meta.to_proto() for _, meta, _ in plan]).SerializeToString()
+        # The message is built in one copy from the shards' values, under their locks
+        # (taken in key order, as pushes take them): one consistent cut of all of them.
+        # (Rows of tables were read already, each shard's at one instant.)
+        locks = [held.lock for held, _, rows in sorted(plan, key=lambda part: part[0].key)
+                 if rows is None]
+        for lock in locks:
+            lock.acquire()
+        try:
+            return encode_chunk(header, [
+                _wire_bytes(held.values if rows is None else rows, meta.dtype)
+                for held, meta, rows in plan], attached)
+        finally:
+            for lock in locks:
+                lock.release()
 
     # ---- shared memory (ps_server.shared_memory) ---------------------------------------
 
@@ -438,6 +461,9 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
         "PushUnary": grpc.unary_unary_rpc_method_handler(
             servicer.PushUnary, request_deserializer=_decode_push_chunk,
             response_serializer=pb.PushReply.SerializeToString),
+        "PushThenPull": grpc.unary_unary_rpc_method_handler(
+            servicer.PushThenPull, request_deserializer=_decode_push_chunk,
+            response_serializer=_identity),
         **{name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, name), request_deserializer=request.FromString,
             response_serializer=reply.SerializeToString) for name, request, reply in (

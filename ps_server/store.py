@@ -137,6 +137,27 @@ class AssignOutcome:
     failed: list[tuple[Shard, str]]  # shards that could not be created, and why
 
 
+@dataclass(frozen=True)
+class CheckedRead:
+    """One shard of a validated pull: its wire dtype and, for a row pull, the ids (a
+    dynamic table's distinct, with `inverse` back to the request's order) or a fixed
+    table's local rows."""
+
+    held: HeldShard
+    wire: str
+    ids: np.ndarray | None = None
+    local: np.ndarray | None = None
+    inverse: np.ndarray | None = None
+
+    @property
+    def meta(self) -> TensorMeta:
+        """What the read puts on the wire."""
+        if self.ids is None:
+            return TensorMeta(self.wire, self.held.shape)
+        count = len(self.ids if self.inverse is None else self.inverse)
+        return TensorMeta(self.wire, (count, *self.held.shape[1:]))
+
+
 class ShardStore:
     """Thread-safe. Holds shards keyed by (variable, shard index) and the shard-map epoch."""
 
@@ -338,9 +359,15 @@ class ShardStore:
                   ) -> list[tuple[HeldShard, TensorMeta, np.ndarray | None]]:
         """Validate a pull; returns each shard with the metadata of its wire encoding, and
         for a row pull (`row_ids[i]` not None) the rows themselves, read at one instant."""
+        return self.read_pull(self.check_pull(epoch, refs, wire_dtype, row_ids))
+
+    def check_pull(self, epoch: int, refs: list[tuple[str, int]], wire_dtype: str | None,
+                   row_ids: list[np.ndarray | None] | None = None) -> list[CheckedRead]:
+        """Validate a pull without reading anything (PushThenPull checks its pull before it
+        applies its push): raises as plan_pull would."""
         self.check_epoch(epoch)
         row_ids = row_ids or [None] * len(refs)
-        plan = []
+        checked = []
         for held, ids in zip(self.lookup(refs), row_ids):
             spec = held.spec
             wire = wire_dtype or spec.dtype
@@ -349,27 +376,34 @@ class ShardStore:
                 if spec.dynamic:
                     raise InvalidArgument(f"{held.describe()}: a dynamic table cannot be pulled "
                                           "whole (its rows are any int64 ids); use pull_rows")
-                plan.append((held, TensorMeta(wire, held.shape), None))
-                continue
-            if not spec.is_table:
+                checked.append(CheckedRead(held, wire))
+            elif not spec.is_table:
                 raise InvalidArgument(f"variable {spec.name!r} is dense, not an embedding "
                                       "table: pull it whole (pull_rows is for tables)")
-            rows = self._read_rows(held, ids)
-            plan.append((held, TensorMeta(wire, rows.shape), rows))
-        return plan
+            elif held.dynamic is None:
+                checked.append(CheckedRead(held, wire, ids, held.local_rows(ids)))
+            else:
+                unique, inverse = dedup(ids)
+                held.dynamic.check_request(len(unique), held.describe())
+                checked.append(CheckedRead(held, wire, unique, inverse=inverse))
+        return checked
 
-    def _read_rows(self, held: HeldShard, ids: np.ndarray) -> np.ndarray:
+    def read_pull(self, checked: list[CheckedRead]
+                  ) -> list[tuple[HeldShard, TensorMeta, np.ndarray | None]]:
+        """plan_pull's answer for a checked pull: a row pull's rows are read now."""
+        return [(read.held, read.meta, None if read.ids is None else self._read_rows(read))
+                for read in checked]
+
+    def _read_rows(self, read: CheckedRead) -> np.ndarray:
+        held = read.held
         if held.dynamic is None:
-            local = held.local_rows(ids)
             with held.lock:
-                return held.values[local]
-        unique, inverse = dedup(ids)
-        held.dynamic.check_request(len(unique), held.describe())
+                return held.values[read.local]
         # Making the rows of unseen ids changes the shard: as a push does (checkpoints).
         with self._updating([held]):
-            local = held.dynamic.locate(unique)
+            local = held.dynamic.locate(read.ids)
             held.sync_pool()
-            return held.values[local[inverse]]
+            return held.values[local[read.inverse]]
 
     def plan_push(self, epoch: int, refs: list[tuple[str, int]], metas: list[TensorMeta],
                   row_ids: list[np.ndarray | None] | None = None) -> list[HeldShard]:

@@ -155,7 +155,8 @@ def _injected(code: grpc.StatusCode, message: str) -> PSError:
 # Data-path calls are counted and faulted by what they do: "Pull" and "Push" name every
 # way of pulling over the wire and of pushing (a push through shared memory included: its
 # header still travels as a call; pulls through shared memory make none).
-_FAMILIES = {"PullUnary": "Pull", "PushUnary": "Push", "PushShared": "Push"}
+_FAMILIES = {"PullUnary": "Pull", "PushUnary": "Push", "PushShared": "Push",
+             "PushThenPull": "Push"}  # a push, whose pull comes with its answer
 
 
 def _family(method: str, request) -> str:

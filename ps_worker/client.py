@@ -91,6 +91,10 @@ class _DataPath:
         self.PushUnary = channel.unary_unary(
             method + "PushUnary", request_serializer=_identity,
             response_deserializer=ps_pb.PushReply.FromString)
+        self.PushThenPull = channel.unary_unary(
+            method + "PushThenPull", request_serializer=_identity,
+            response_deserializer=decode_chunk)
+        self.push_then_pull = True  # False once the server said it has no PushThenPull
         for name, request, reply in (
                 ("OpenSharedMemory", ps_pb.OpenSharedMemoryRequest, ps_pb.OpenSharedMemoryReply),
                 ("AttachShards", ps_pb.AttachShardsRequest, ps_pb.AttachShardsReply),
@@ -130,6 +134,23 @@ class _Piece:
     def ref(self) -> ps_pb.ShardRef:
         return ps_pb.ShardRef(variable=self.shard.variable, index=self.shard.index,
                               row_ids=b"" if self.row_ids is None else self.row_ids.tobytes())
+
+
+class _PullAlong:
+    """A pull that goes along with a push to the same server (PushThenPull): its request,
+    the arrays its tensors land in, and whether they have."""
+
+    def __init__(self, request: ps_pb.PullRequest, destinations: list[np.ndarray]):
+        self.request = request.SerializeToString()
+        self.destinations = destinations
+        self.nbytes = sum(d.nbytes for d in destinations)
+        self.done = False
+
+    def receive(self, answer, server_id: str) -> None:
+        assembler = StreamAssembler(self.destinations, what=f"pull from {server_id}")
+        assembler.write(answer.data)
+        assembler.finish()
+        self.done = True
 
 
 class PSClient:
@@ -670,23 +691,25 @@ class PSClient:
             rows = np.empty((len(unique), spec.shape[1]), spec.dtype)
             groups = self._rows_by_server(spec, shard_map, unique)
             try:
-                # Reads from shared memory are memory copies: done here, in this thread;
-                # the calls over gRPC go out in parallel.
-                remote = {server_id: parts for server_id, parts in groups.items()
-                          if spec.dynamic or not self._pull_rows_shared(
-                              shard_map, server_id, parts, unique, rows, wire_dtype)}
-                self._run_groups(remote, lambda server_id, parts: self._pull_rows_from(
-                    shard_map, server_id, parts, unique, rows, wire_dtype))
+                self._fetch_rows(shard_map, spec, groups, unique, rows, wire_dtype)
             except RemoteError as error:
                 if not self._map_moved(shard_map, error):
                     raise
                 continue
-            if inverse is None:
-                result[...] = rows
-                return result
-            return np.take(rows, inverse, axis=0, out=result)
+            return _in_order(rows, inverse, result)
         raise _local_error(grpc.StatusCode.ABORTED,
                            f"shard map kept changing during {MAX_MAP_REFRESHES} pull attempts")
+
+    def _fetch_rows(self, shard_map: ShardMap, spec: VariableSpec, groups: dict,
+                    unique: np.ndarray, rows: np.ndarray, wire_dtype: str | None) -> None:
+        """`rows` = the rows of `unique`, grouped by server as `groups` has them."""
+        # Reads from shared memory are memory copies: done here, in this thread; the calls
+        # over gRPC go out in parallel.
+        remote = {server_id: parts for server_id, parts in groups.items()
+                  if spec.dynamic or not self._pull_rows_shared(
+                      shard_map, server_id, parts, unique, rows, wire_dtype)}
+        self._run_groups(remote, lambda server_id, parts: self._pull_rows_from(
+            shard_map, server_id, parts, unique, rows, wire_dtype))
 
     def pull_rows_async(self, name: str, ids, *, out: np.ndarray | None = None,
                         wire_dtype: str | None = None) -> futures.Future:
@@ -700,6 +723,14 @@ class PSClient:
         summed gradients of its rows, all servers at once, and applies its part once and
         all-or-nothing, as `push` does (see there for errors and partial failure).
         Raises RemoteError as `pull_rows` and `push` do."""
+        self._push_rows(name, ids, grads, wire_dtype)
+
+    def _push_rows(self, name: str, ids, grads, wire_dtype: str | None,
+                   pulls_for=None) -> None:
+        """push_rows; `pulls_for(shard_map)`, if given, is called once the push is checked
+        and before anything is sent, and returns the pulls to make along with it
+        ({server_id: _PullAlong}), which go with the push to their server where its push
+        is one message (none when the push takes several rounds of calls)."""
         ids = self._row_ids(name, ids)
         with self._lock:
             if self._mode is not None and self._mode.kind == SYNC:
@@ -722,17 +753,69 @@ class PSClient:
         # MAX_ROW_IDS_PER_CALL rows goes in several pushes, each exactly-once and
         # all-or-nothing.
         batches = [_id_batches(parts) for parts in groups.values()]
-        for round_ in range(max(len(b) for b in batches)):
+        rounds = max(len(b) for b in batches)
+        pulls = pulls_for(shard_map) if pulls_for is not None else {}
+        for round_ in range(rounds):
             self._send(shard_map, [
                 _Piece(shard, np.ascontiguousarray(summed[positions]), wire, unique[positions])
                 for server_batches in batches if round_ < len(server_batches)
-                for shard, positions in server_batches[round_]])
+                for shard, positions in server_batches[round_]],
+                pulls=pulls if rounds == 1 else None)
 
     def push_rows_async(self, name: str, ids, grads, *,
                         wire_dtype: str | None = None) -> futures.Future:
         """`push_rows` in the background, in the same window as `push_async` (`flush`
         waits for both). The caller must not modify `ids` or `grads` until it is done."""
         return self._push_in_background(self.push_rows, name, ids, grads, wire_dtype=wire_dtype)
+
+    def push_pull_rows(self, name: str, ids, grads, next_ids, *, out: np.ndarray | None = None,
+                       wire_dtype: str | None = None) -> np.ndarray:
+        """`push_rows(name, ids, grads)`, then `pull_rows(name, next_ids, out=out)`: a
+        trainer's gradients of step t out and its rows for step t+1 back. Over gRPC, a
+        server that gets both gets them in one call (one round trip instead of two) when
+        each fits one message. The rows are read after this push was applied on their
+        server, exactly as with the two calls in turn, and the same errors are raised: a
+        bad `next_ids` or `out` is refused before anything is sent. `wire_dtype` is both
+        parts'."""
+        next_ids = self._row_ids(name, next_ids)
+        along: dict = {}
+
+        def pulls_for(shard_map: ShardMap) -> dict[str, _PullAlong]:
+            spec = self._table(shard_map, name, next_ids)
+            self._check_wire_dtype(spec, wire_dtype)
+            result = self._rows_output(spec, len(next_ids), out)
+            unique, inverse = ((next_ids, None) if _distinct_sorted(next_ids)
+                               else dedup(next_ids))
+            groups = self._rows_by_server(spec, shard_map, unique)
+            along.update(shard_map=shard_map, spec=spec, result=result, unique=unique,
+                         inverse=inverse, groups=groups, pulls={})
+            wire = wire_dtype or spec.dtype
+            for server_id, parts in groups.items():
+                if len(_id_batches(parts)) == 1:
+                    along["pulls"][server_id] = _PullAlong(
+                        self._rows_request(shard_map, parts, unique, wire_dtype),
+                        [np.empty((len(p), spec.shape[1]), wire_raw_dtype(wire))
+                         for _, p in parts])
+            return along["pulls"]
+
+        self._push_rows(name, ids, grads, wire_dtype, pulls_for)
+        shard_map, spec, unique = along["shard_map"], along["spec"], along["unique"]
+        rows = np.empty((len(unique), spec.shape[1]), spec.dtype)
+        rest = {}
+        for server_id, parts in along["groups"].items():
+            pull = along["pulls"].get(server_id)
+            if pull is None or not pull.done:
+                rest[server_id] = parts
+                continue
+            for (_, positions), raw in zip(parts, pull.destinations):
+                rows[positions] = from_wire(raw, wire_dtype or spec.dtype)
+        try:
+            self._fetch_rows(shard_map, spec, rest, unique, rows, wire_dtype)
+        except RemoteError as error:
+            if not self._map_moved(shard_map, error):
+                raise
+            return self.pull_rows(name, next_ids, out=out, wire_dtype=wire_dtype)
+        return _in_order(rows, along["inverse"], along["result"])
 
     @staticmethod
     def _rows_by_server(spec: VariableSpec, shard_map: ShardMap, unique: np.ndarray):
@@ -796,14 +879,19 @@ class PSClient:
         for batch in _id_batches(parts):
             received = [np.empty((len(p), spec.shape[1]), wire_raw_dtype(wire))
                         for _, p in batch]
-            request = ps_pb.PullRequest(
-                epoch=shard_map.epoch,
-                shards=[ps_pb.ShardRef(variable=s.variable, index=s.index,
-                                       row_ids=unique[p].tobytes()) for s, p in batch],
-                wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0)
-            self._receive(shard_map, server_id, request, received)
+            self._receive(shard_map, server_id,
+                          self._rows_request(shard_map, batch, unique, wire_dtype), received)
             for (_, positions), raw in zip(batch, received):
                 rows[positions] = from_wire(raw, wire)
+
+    @staticmethod
+    def _rows_request(shard_map: ShardMap, parts: list[tuple[Shard, np.ndarray]],
+                      unique: np.ndarray, wire_dtype: str | None) -> ps_pb.PullRequest:
+        return ps_pb.PullRequest(
+            epoch=shard_map.epoch,
+            shards=[ps_pb.ShardRef(variable=s.variable, index=s.index,
+                                   row_ids=unique[p].tobytes()) for s, p in parts],
+            wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0)
 
     def _pull_rows_shared(self, shard_map: ShardMap, server_id: str,
                           parts: list[tuple[Shard, np.ndarray]], unique: np.ndarray,
@@ -851,8 +939,10 @@ class PSClient:
         shard_map = self._map_with(list(grads))
         self._send(shard_map, self._split(shard_map, grads, wire_dtype), stepped=True)
 
-    def _send(self, shard_map: ShardMap, pieces: list[_Piece], stepped: bool = False) -> None:
-        """Push `pieces`, one call per server in parallel (see `push`)."""
+    def _send(self, shard_map: ShardMap, pieces: list[_Piece], stepped: bool = False,
+              pulls: dict[str, "_PullAlong"] | None = None) -> None:
+        """Push `pieces`, one call per server in parallel (see `push`); `pulls` go along
+        with their server's push where it can take them (see `_push_once`)."""
         # One sequence per (server, exact set of shards), kept across map refreshes: a part
         # whose response was lost and that is then refused as stale goes out again under the
         # same identity, so a server that did apply it answers 'duplicate' instead of applying
@@ -877,10 +967,12 @@ class PSClient:
                 failed: list[_Piece] = []
                 errors: list[RemoteError] = []
 
-                def push_one(server_id: str, group: list[_Piece], shard_map=shard_map):
+                def push_one(server_id: str, group: list[_Piece], shard_map=shard_map,
+                             pulls=pulls or {}):
                     try:
                         self._push_to(shard_map, server_id, group,
-                                      *sequence_for(server_id, group), stepped=stepped)
+                                      *sequence_for(server_id, group), stepped=stepped,
+                                      pull=pulls.get(server_id))
                     except RemoteError as error:
                         if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
                             raise
@@ -896,6 +988,7 @@ class PSClient:
                     raise errors[0]
                 shard_map = self.shard_map
                 pieces = [self._relocate(shard_map, p) for p in failed]
+                pulls = None  # they were for the old map: the caller pulls what is missing
             raise _local_error(grpc.StatusCode.ABORTED,
                                f"shard map kept changing during {MAX_MAP_REFRESHES} push attempts")
         finally:
@@ -1105,7 +1198,8 @@ class PSClient:
                            f"variable {piece.shard.variable!r} was re-sharded during a push")
 
     def _push_to(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
-                 sequence: int, first_send: bool, stepped: bool = False) -> None:
+                 sequence: int, first_send: bool, stepped: bool = False,
+                 pull: "_PullAlong | None" = None) -> None:
         """Push `pieces` to one server under `sequence`. `first_send`: this sequence has
         never gone out before (not even in an attempt whose answer was lost), so a
         'duplicate' answer means another client shares this identity: an error.
@@ -1113,17 +1207,21 @@ class PSClient:
         as the mode says (a server that no longer knows it is joined again, once)."""
         step = self._step_at(shard_map, server_id) if stepped else None
         try:
-            self._push_once(shard_map, server_id, pieces, sequence, first_send, step)
+            self._push_once(shard_map, server_id, pieces, sequence, first_send, step, pull)
         except RemoteError as error:
             if step is None or error.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             with self._lock:
                 self._steps.pop(server_id, None)
             step = self._step_at(shard_map, server_id)  # the server restarted, say
-            self._push_once(shard_map, server_id, pieces, sequence, first_send, step)
+            self._push_once(shard_map, server_id, pieces, sequence, first_send, step, pull)
 
     def _push_once(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
-                   sequence: int, first_send: bool, step: int | None) -> None:
+                   sequence: int, first_send: bool, step: int | None,
+                   pull: "_PullAlong | None" = None) -> None:
+        """One push to one server over shared memory or gRPC. `pull` goes with it in one
+        PushThenPull call if the push goes over gRPC and both fit one message each way;
+        `pull.done` tells whether it went."""
         address = shard_map.servers[server_id]
         stub = self._stub(address)
         sizes = [p.grad.nbytes for p in pieces]
@@ -1146,8 +1244,12 @@ class PSClient:
             attempts += 1
             first_header = header().SerializeToString()
             if nbytes <= self._chunk_bytes:  # one message: no stream to set up
-                message = encode_chunk(first_header, [r(0, n) for r, n in zip(readers, sizes)])
-                return self._unary(stub.PushUnary, message, self._deadline(nbytes), server_id)
+                data = [r(0, n) for r, n in zip(readers, sizes)]
+                if (pull is not None and stub.push_then_pull
+                        and pull.nbytes <= self._chunk_bytes):
+                    return self._push_then_pull(stub, first_header, data, pull, server_id)
+                return self._unary(stub.PushUnary, encode_chunk(first_header, data),
+                                   self._deadline(nbytes), server_id)
             call = stub.Push.future(
                 (encode_chunk(first_header if i == 0 else None, piece) for i, piece in
                  enumerate(iter_chunks(sizes, readers, self._chunk_bytes))),
@@ -1172,6 +1274,21 @@ class PSClient:
                 "applied (let the coordinator hand out incarnations)")
         if step is not None:
             self._stepped(server_id, reply)
+
+    def _push_then_pull(self, stub: "_DataPath", header: bytes, data: list,
+                        pull: "_PullAlong", server_id: str) -> ps_pb.PushReply:
+        nbytes = sum(memoryview(part).nbytes for part in data)
+        try:
+            answer = self._unary(stub.PushThenPull, encode_chunk(header, data, pull.request),
+                                 self._deadline(nbytes + pull.nbytes), server_id)
+        except RemoteError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            stub.push_then_pull = False  # a server from before the call: the push alone
+            return self._unary(stub.PushUnary, encode_chunk(header, data),
+                               self._deadline(nbytes), server_id)
+        pull.receive(answer, server_id)
+        return ps_pb.PushReply.FromString(answer.attached or b"")
 
     def _push_shared(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
                      header, attempts: list[int]) -> ps_pb.PushReply | None:
@@ -1347,6 +1464,14 @@ class PSClient:
             futures.wait(pending)  # none may still be running when this returns or raises
         for future in pending:
             future.result()
+
+
+def _in_order(rows: np.ndarray, inverse: np.ndarray | None, result: np.ndarray) -> np.ndarray:
+    """`result` = the distinct ids' `rows` in the caller's order (`inverse`; None: as is)."""
+    if inverse is None:
+        result[...] = rows
+        return result
+    return np.take(rows, inverse, axis=0, out=result)
 
 
 def _distinct_sorted(ids: np.ndarray) -> bool:

@@ -152,6 +152,64 @@ class PushChunk(_message.Message):
 Global___PushChunk: _TypeAlias = PushChunk  # noqa: Y015
 
 @_typing.final
+class PushThenPullRequest(_message.Message):
+    """PushChunk's fields, and the pull to make after the push."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    PULL_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    @_builtins.property
+    def header(self) -> Global___PushHeader: ...
+    @_builtins.property
+    def pull(self) -> Global___PullRequest: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PushHeader | None = ...,
+        data: _builtins.bytes = ...,
+        pull: Global___PullRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "pull", b"pull"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "pull", b"pull"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushThenPullRequest: _TypeAlias = PushThenPullRequest  # noqa: Y015
+
+@_typing.final
+class PushThenPullReply(_message.Message):
+    """PullChunk's fields (the pull's tensors), and the push's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    PUSH_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    @_builtins.property
+    def header(self) -> Global___PullHeader: ...
+    @_builtins.property
+    def push(self) -> Global___PushReply: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PullHeader | None = ...,
+        data: _builtins.bytes = ...,
+        push: Global___PushReply | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "push", b"push"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "push", b"push"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushThenPullReply: _TypeAlias = PushThenPullReply  # noqa: Y015
+
+@_typing.final
 class PushHeader(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

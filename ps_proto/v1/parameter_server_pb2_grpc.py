@@ -57,6 +57,11 @@ class ParameterServerStub:
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PushThenPull = channel.unary_unary(
+                '/ps.v1.ParameterServer/PushThenPull',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushThenPullRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushThenPullReply.FromString,
+                _registered_method=True)
         self.OpenSharedMemory = channel.unary_unary(
                 '/ps.v1.ParameterServer/OpenSharedMemory',
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.OpenSharedMemoryRequest.SerializeToString,
@@ -127,6 +132,17 @@ class ParameterServerServicer:
 
     def PushUnary(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushThenPull(self, request, context):
+        """A push and then, once it is applied (or found to be a duplicate), a pull from the same
+        server, in one message each way: a trainer's gradient of step t goes out and its
+        parameters for step t+1 come back in one round trip. Both parts are validated before
+        the push is applied, so a bad request changes nothing; the push is exactly-once as
+        PushUnary's, and a retry reads the pull again.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -212,6 +228,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushUnary,
                     request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.FromString,
                     response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.SerializeToString,
+            ),
+            'PushThenPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushThenPull,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushThenPullRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushThenPullReply.SerializeToString,
             ),
             'OpenSharedMemory': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSharedMemory,
@@ -365,6 +386,33 @@ class ParameterServer:
             '/ps.v1.ParameterServer/PushUnary',
             ps__proto_dot_v1_dot_parameter__server__pb2.PushChunk.SerializeToString,
             ps__proto_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushThenPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/PushThenPull',
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushThenPullRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushThenPullReply.FromString,
             options,
             channel_credentials,
             insecure,

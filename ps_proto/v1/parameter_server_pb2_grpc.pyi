@@ -43,6 +43,13 @@ class ParameterServerStub:
     without a stream's setup (same validation, errors and exactly-once identity).
     """
     PushUnary: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PushChunk, _parameter_server_pb2.PushReply]
+    PushThenPull: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PushThenPullRequest, _parameter_server_pb2.PushThenPullReply]
+    """A push and then, once it is applied (or found to be a duplicate), a pull from the same
+    server, in one message each way: a trainer's gradient of step t goes out and its
+    parameters for step t+1 come back in one round trip. Both parts are validated before
+    the push is applied, so a bad request changes nothing; the push is exactly-once as
+    PushUnary's, and a retry reads the pull again.
+    """
     OpenSharedMemory: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.OpenSharedMemoryRequest, _parameter_server_pb2.OpenSharedMemoryReply]
     """The shared-memory data path of a client on this server's host (ps_server.shared_memory):
     gRPC carries the handshake and these small control messages; the tensor bytes move
@@ -82,6 +89,13 @@ class ParameterServerAsyncStub(ParameterServerStub):
     without a stream's setup (same validation, errors and exactly-once identity).
     """
     PushUnary: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PushChunk, _parameter_server_pb2.PushReply]  # type: ignore[assignment]
+    PushThenPull: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PushThenPullRequest, _parameter_server_pb2.PushThenPullReply]  # type: ignore[assignment]
+    """A push and then, once it is applied (or found to be a duplicate), a pull from the same
+    server, in one message each way: a trainer's gradient of step t goes out and its
+    parameters for step t+1 come back in one round trip. Both parts are validated before
+    the push is applied, so a bad request changes nothing; the push is exactly-once as
+    PushUnary's, and a retry reads the pull again.
+    """
     OpenSharedMemory: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.OpenSharedMemoryRequest, _parameter_server_pb2.OpenSharedMemoryReply]  # type: ignore[assignment]
     """The shared-memory data path of a client on this server's host (ps_server.shared_memory):
     gRPC carries the handshake and these small control messages; the tensor bytes move
@@ -142,6 +156,19 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request: _parameter_server_pb2.PushChunk,
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.PushReply, _abc.Awaitable[_parameter_server_pb2.PushReply]]: ...
+
+    @_abc_1.abstractmethod
+    def PushThenPull(
+        self,
+        request: _parameter_server_pb2.PushThenPullRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.PushThenPullReply, _abc.Awaitable[_parameter_server_pb2.PushThenPullReply]]:
+        """A push and then, once it is applied (or found to be a duplicate), a pull from the same
+        server, in one message each way: a trainer's gradient of step t goes out and its
+        parameters for step t+1 come back in one round trip. Both parts are validated before
+        the push is applied, so a bad request changes nothing; the push is exactly-once as
+        PushUnary's, and a retry reads the pull again.
+        """
 
     @_abc_1.abstractmethod
     def OpenSharedMemory(

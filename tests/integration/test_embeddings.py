@@ -155,6 +155,129 @@ def test_a_retried_row_push_is_applied_once(cluster):
                                       [[0, 0], [-1, -1], [-1, -1], [-1, -1], [-1, -1], [0, 0]])
 
 
+# ---- push_pull_rows: a step's push and the next step's pull ---------------------------
+
+def test_push_pull_rows_equals_a_push_then_a_pull_in_one_call_per_server(make_cluster):
+    cluster = make_cluster(servers=3)
+    rng = np.random.default_rng(5)
+    with PSClient(cluster.coordinator_address) as ps:
+        spec = ps.declare_embedding("emb", dim=8, num_rows=1000, init=UNIFORM, optimizer=SGD1,
+                                    seed=3)
+        reference = initial_rows(spec, np.arange(1000))
+        ids = rng.permutation(zipf_ids(rng, 300, 1000))
+        rows = ps.pull_rows("emb", ids)
+        out = np.empty((250, 8), np.float32)
+        for _ in range(5):
+            # The duplicates of both id arrays in any order; every server has a part of both.
+            next_ids = rng.permutation(np.concatenate([zipf_ids(rng, 247, 1000), [0, 1, 2]]))
+            grads = rows.astype(np.float32) * 0.5 + rng.normal(size=rows.shape).astype(np.float32)
+            calls = dict(cluster.faults.calls)
+            rows = ps.push_pull_rows("emb", ids, grads, next_ids, out=out)
+            assert rows is out
+            # One call per server for both, over gRPC; over shared memory no pull is a call.
+            assert cluster.faults.calls.get("Pull", 0) == calls.get("Pull", 0)
+            assert cluster.faults.calls["Push"] - calls.get("Push", 0) == 3
+            np.add.at(reference, ids, -grads)
+            np.testing.assert_allclose(rows, reference[next_ids], rtol=1e-5, atol=1e-5)
+            ids = next_ids
+        np.testing.assert_allclose(ps.pull("emb"), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_push_pull_rows_on_a_dynamic_table_and_through_a_narrower_wire_dtype(cluster):
+    with PSClient(cluster.coordinator_address) as ps:
+        spec = ps.declare_embedding("dyn", dim=4, init=UNIFORM, optimizer=SGD1, seed=9)
+        ids, next_ids = np.array([10**12, 7, 7], np.int64), np.array([7, -5, 10**12], np.int64)
+        grads = np.ones((3, 4), np.float32)
+        rows = ps.push_pull_rows("dyn", ids, grads, next_ids, wire_dtype="bfloat16")
+        expected = initial_rows(spec, next_ids)
+        expected[0] -= 2.0  # id 7 twice
+        expected[2] -= 1.0
+        np.testing.assert_allclose(rows, expected, atol=2e-2)  # bfloat16 both ways
+        np.testing.assert_allclose(ps.pull_rows("dyn", next_ids), expected, atol=2e-2)
+
+
+def test_push_pull_rows_refuses_bad_next_ids_before_it_sends_anything(cluster):
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("emb", dim=4, num_rows=10, init=UNIFORM, optimizer=SGD1)
+        ps.declare("dense", shape=(10, 4), init="zeros", optimizer=SGD1)
+        before = ps.pull("emb")
+        ids, grads = np.array([1, 2], np.int64), np.ones((2, 4), np.float32)
+        for code, next_ids, kwargs in (
+                (grpc.StatusCode.OUT_OF_RANGE, np.array([3, 10], np.int64), {}),
+                (grpc.StatusCode.INVALID_ARGUMENT, np.array([3], np.int32), {}),
+                (grpc.StatusCode.INVALID_ARGUMENT, np.array([3], np.int64),
+                 {"out": np.empty((2, 4), np.float32)}),
+                (grpc.StatusCode.INVALID_ARGUMENT, np.array([3], np.int64),
+                 {"wire_dtype": "float64"})):
+            expect_error(code, ps.push_pull_rows, "emb", ids, grads, next_ids, **kwargs)
+        expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push_pull_rows, "dense", ids, grads,
+                     ids)
+        np.testing.assert_array_equal(ps.pull("emb"), before)
+
+
+def test_a_lost_push_then_pull_answer_is_retried_and_the_push_applied_once(cluster):
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("emb", dim=2, num_rows=10, init="zeros", optimizer=SGD1)
+        cluster.faults.drop_response_next("Push", 2)
+        rows = ps.push_pull_rows("emb", np.array([1, 2, 3, 4], np.int64),
+                                 np.ones((4, 2), np.float32), np.arange(6))
+        expected = [[0, 0], [-1, -1], [-1, -1], [-1, -1], [-1, -1], [0, 0]]
+        np.testing.assert_array_equal(rows, expected)
+        np.testing.assert_array_equal(ps.pull_rows("emb", np.arange(6)), expected)
+
+
+def test_push_then_pull_straight_to_a_server(cluster):
+    """The call as any gRPC client sends it (generated protobuf messages): the pull is checked
+    before the push is applied, and a retry is deduplicated but pulls again."""
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("emb", dim=2, num_rows=10, init="zeros", optimizer=SGD1)
+        shard_map = ps.shard_map
+    shard = shard_map.shards_of("emb")[0]
+    mine = np.array([shard.index, shard.index + shard.stride], np.int64)
+    channel = grpc.insecure_channel(shard_map.servers[shard.server_id])
+    stub = ps_grpc.ParameterServerStub(channel)
+
+    def call(pull_ids: np.ndarray | None, sequence: int = 1, pull_bytes: bytes | None = None):
+        header = ps_pb.PushHeader(
+            client_id="raw", incarnation=1, sequence=sequence, epoch=shard_map.epoch,
+            shards=[ps_pb.ShardRef(variable="emb", index=shard.index, row_ids=mine.tobytes())],
+            tensors=[TensorMeta("float32", (2, 2)).to_proto()])
+        request = ps_pb.PushThenPullRequest(header=header,
+                                            data=np.ones((2, 2), np.float32).tobytes())
+        if pull_ids is not None:
+            request.pull.CopyFrom(ps_pb.PullRequest(epoch=shard_map.epoch, shards=[
+                ps_pb.ShardRef(variable="emb", index=shard.index, row_ids=pull_ids.tobytes())]))
+        if pull_bytes is None:
+            return stub.PushThenPull(request, timeout=10)
+        raw = channel.unary_unary("/ps.v1.ParameterServer/PushThenPull",
+                                  request_serializer=bytes,
+                                  response_deserializer=ps_pb.PushThenPullReply.FromString)
+        return raw(request.SerializeToString() + b"\x1a" + bytes([len(pull_bytes)])
+                   + pull_bytes, timeout=10)
+
+    def rows() -> np.ndarray:
+        with PSClient(cluster.coordinator_address) as ps:
+            return ps.pull_rows("emb", mine)
+
+    try:
+        for pull_ids, pull_bytes, code in (
+                (np.array([12], np.int64), None, grpc.StatusCode.OUT_OF_RANGE),
+                (np.array([shard.index + 1], np.int64), None, grpc.StatusCode.INVALID_ARGUMENT),
+                (None, None, grpc.StatusCode.INVALID_ARGUMENT),  # no pull
+                (None, b"\x12\x05ab", grpc.StatusCode.INVALID_ARGUMENT)):  # a malformed one
+            with pytest.raises(grpc.RpcError) as caught:
+                call(pull_ids, pull_bytes=pull_bytes)
+            assert caught.value.code() == code, caught.value.details()
+            np.testing.assert_array_equal(rows(), np.zeros((2, 2)))  # the push: not applied
+        for duplicate in (False, True):
+            answer = call(mine[::-1])
+            assert answer.push.duplicate is duplicate
+            assert [tuple(t.shape) for t in answer.header.tensors] == [(2, 2)]
+            np.testing.assert_array_equal(np.frombuffer(answer.data, np.float32), [-1.0] * 4)
+    finally:
+        channel.close()
+
+
 # ---- dynamic tables --------------------------------------------------------------------
 
 @pytest.mark.parametrize("servers", [1, 3])

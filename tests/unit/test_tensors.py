@@ -332,10 +332,24 @@ def test_chunk_codec_skips_unknown_fields_like_protobuf():
     b"\x21\x00",              # a 64-bit field cut short
     b"\x02\x00",              # field number 0
     b"\x0a\x00\x0a\x00",      # two headers in one chunk (protobuf would merge them)
+    b"\x1a\x00\x1a\x00",      # two attached messages (the same)
 ])
 def test_malformed_chunk_messages_are_invalid_argument(raw):
     with pytest.raises(_InvalidArgument):
         decode_chunk(raw)
+
+
+def test_push_then_pull_messages_carry_their_third_field_both_ways():
+    header = _ps_pb.PushHeader(client_id="c", sequence=2)
+    pull = _ps_pb.PullRequest(epoch=4, shards=[_ps_pb.ShardRef(variable="t", row_ids=b"\0" * 8)])
+    ours = encode_chunk(header.SerializeToString(), b"grad", pull.SerializeToString())
+    assert _ps_pb.PushThenPullRequest.FromString(ours) == _ps_pb.PushThenPullRequest(
+        header=header, data=b"grad", pull=pull)
+    reply = _ps_pb.PushThenPullReply(data=b"rows", push=_ps_pb.PushReply(duplicate=True))
+    decoded = decode_chunk(reply.SerializeToString())
+    assert bytes(decoded.data) == b"rows" and decoded.header is None
+    assert _ps_pb.PushReply.FromString(decoded.attached).duplicate
+    assert decode_chunk(encode_chunk(None, b"x")).attached is None
 
 
 # ---- finiteness and one-message chunks ---------------------------------------------------
