@@ -753,7 +753,7 @@ class PSClient:
         # MAX_ROW_IDS_PER_CALL rows goes in several pushes, each exactly-once and
         # all-or-nothing.
         batches = [_id_batches(parts) for parts in groups.values()]
-        rounds = max(len(b) for b in batches)
+        rounds = max((len(b) for b in batches), default=0)  # no ids: nothing to send
         pulls = pulls_for(shard_map) if pulls_for is not None else {}
         for round_ in range(rounds):
             self._send(shard_map, [

@@ -215,6 +215,19 @@ def test_push_pull_rows_refuses_bad_next_ids_before_it_sends_anything(cluster):
         np.testing.assert_array_equal(ps.pull("emb"), before)
 
 
+def test_no_ids_push_and_pull_nothing(cluster):
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("emb", dim=4, num_rows=10, init=UNIFORM, optimizer=SGD1)
+        before = ps.pull("emb")
+        none, two = np.array([], np.int64), np.array([3, 1], np.int64)
+        ps.push_rows("emb", none, np.empty((0, 4), np.float32))
+        assert ps.pull_rows("emb", none).shape == (0, 4)
+        rows = ps.push_pull_rows("emb", none, np.empty((0, 4), np.float32), two)
+        np.testing.assert_array_equal(rows, before[two])
+        assert ps.push_pull_rows("emb", two, np.zeros((2, 4), np.float32), none).shape == (0, 4)
+        np.testing.assert_array_equal(ps.pull("emb"), before)
+
+
 def test_a_lost_push_then_pull_answer_is_retried_and_the_push_applied_once(cluster):
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare_embedding("emb", dim=2, num_rows=10, init="zeros", optimizer=SGD1)
