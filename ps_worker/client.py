@@ -137,16 +137,22 @@ class _Piece:
 
 
 class _PullAlong:
-    """A pull that goes along with a push to the same server (PushThenPull): its request,
-    the arrays its tensors land in, and whether they have."""
+    """A pull that may go along with a push to the same server (PushThenPull): its size,
+    and once it went, the arrays its tensors landed in. Its request and arrays are made
+    only if it goes (a push over shared memory takes none along)."""
 
-    def __init__(self, request: ps_pb.PullRequest, destinations: list[np.ndarray]):
-        self.request = request.SerializeToString()
-        self.destinations = destinations
-        self.nbytes = sum(d.nbytes for d in destinations)
+    def __init__(self, make_request, shapes: list[tuple[int, int]], dtype: np.dtype):
+        self._make_request = make_request
+        self._shapes, self._dtype = shapes, np.dtype(dtype)
+        self.nbytes = sum(rows * dim for rows, dim in shapes) * self._dtype.itemsize
+        self.destinations: list[np.ndarray] = []
         self.done = False
 
+    def request(self) -> bytes:
+        return self._make_request().SerializeToString()
+
     def receive(self, answer, server_id: str) -> None:
+        self.destinations = [np.empty(shape, self._dtype) for shape in self._shapes]
         assembler = StreamAssembler(self.destinations, what=f"pull from {server_id}")
         assembler.write(answer.data)
         assembler.finish()
@@ -793,9 +799,9 @@ class PSClient:
             for server_id, parts in groups.items():
                 if len(_id_batches(parts)) == 1:
                     along["pulls"][server_id] = _PullAlong(
-                        self._rows_request(shard_map, parts, unique, wire_dtype),
-                        [np.empty((len(p), spec.shape[1]), wire_raw_dtype(wire))
-                         for _, p in parts])
+                        lambda parts=parts: self._rows_request(shard_map, parts, unique,
+                                                               wire_dtype),
+                        [(len(p), spec.shape[1]) for _, p in parts], wire_raw_dtype(wire))
             return along["pulls"]
 
         self._push_rows(name, ids, grads, wire_dtype, pulls_for)
@@ -1279,7 +1285,7 @@ class PSClient:
                         pull: "_PullAlong", server_id: str) -> ps_pb.PushReply:
         nbytes = sum(memoryview(part).nbytes for part in data)
         try:
-            answer = self._unary(stub.PushThenPull, encode_chunk(header, data, pull.request),
+            answer = self._unary(stub.PushThenPull, encode_chunk(header, data, pull.request()),
                                  self._deadline(nbytes + pull.nbytes), server_id)
         except RemoteError as error:
             if error.code() != grpc.StatusCode.UNIMPLEMENTED:
