@@ -1,6 +1,6 @@
 """W3 sparse-emb: an embedding table over the servers; worker processes pull and push rows by id.
 
-The workload of ../shared/BENCHMARKS.md: a 1,000,000 x 64 float32 table (256 MB) declared
+W3 of benchmarks/README.md: a 1,000,000 x 64 float32 table (256 MB) declared
 with `PSClient.declare_embedding` (cut by id over every server, SGD on the servers), on a
 coordinator and `--servers` real ps-server processes; `--workers` worker processes, each its
 own PSClient, loop over steps:
@@ -28,6 +28,10 @@ and the coordinator (from /proc, per thread kind), the servers' peak RSS against
 bytes, the unique ids per step, the targets (TF ParameterServerStrategy and torch RPC,
 measured on this machine kind for this workload) and a check of the values (a row push with
 repeated ids read back against NumPy) made before the workers start.
+
+`--no-shm` (every call over gRPC) also runs, before the cluster, the same steps on a minimal
+parameter server over bare grpcio (benchmarks/grpc_floor.py, `--no-floor` to skip): the
+floor of any parameter server written in Python on grpcio, and paramserve's ratio to it.
 
 `--py-spy`: after the measured window, py-spy samples every server and worker for
 `--profile-seconds` more (sampling slows them, hence its own window) and the working samples
@@ -304,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--separate-calls", action="store_true",
                    help="push_rows then pull_rows, two calls per server a step, instead of "
                    "push_pull_rows (one)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="over gRPC (--no-shm), skip the floor: W3 on a minimal parameter "
+                   "server over bare grpcio (benchmarks/grpc_floor.py)")
     p.add_argument("--py-spy", action="store_true",
                    help="after the measured window, sample every server and worker with "
                    "py-spy for --profile-seconds and sort the samples into categories")
@@ -316,6 +323,23 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_path_flag(p)
     harness.add_quick_flag(p)
     return p
+
+
+def grpc_floor(args) -> dict:
+    """W3's steps on a minimal parameter server over bare grpcio (benchmarks/grpc_floor.py),
+    with the same servers, workers, table, ids and window, in a child process: the fastest a
+    parameter server written in Python on grpcio goes here, promises aside."""
+    argv = [sys.executable, str(Path(__file__).with_name("grpc_floor.py")),
+            "--seconds", repr(args.seconds), "--warmup", repr(args.warmup),
+            "--slices", str(args.slices), "--rows", str(args.rows), "--dim", str(args.dim),
+            "--batch", str(args.batch), "--servers", str(args.servers),
+            "--workers", str(args.workers)]
+    done = subprocess.run(argv, cwd=harness.REPO_ROOT, capture_output=True, text=True,
+                          timeout=args.warmup + args.seconds + 300)
+    if done.returncode != 0:
+        raise RuntimeError(f"the gRPC floor exited with status {done.returncode}:\n"
+                           f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def start_workers(group: harness.ProcessGroup, address: str, args, tmp: Path) -> list[dict]:
@@ -396,6 +420,8 @@ def run(args) -> dict:
                      "warmup": args.warmup, "seconds": args.baseline_seconds,
                      "slices": args.slices})
     out: dict = {"baseline": base}
+    if args.no_shm and not args.no_floor:
+        out["floor"] = grpc_floor(args)
     with tempfile.TemporaryDirectory(prefix="paramserve-w3-") as tmp_name, \
             harness.cluster(args.servers, server_args=harness.no_shm_args(args),
                             log_level="warning") as c, \
@@ -534,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
         "worker_peak_rss_bytes": {w["name"]: w["peak_rss_bytes"] for w in raw["workers"]},
         "worker_data_paths": paths, "declare_s": raw["declare_s"], "check": raw["check"],
         "values_ok": raw["check"]["ok"]}
+    floor = raw.get("floor")
+    if floor is not None:
+        record["floor"] = floor
+        record["ratio_to_floor"] = rate / floor["steps_per_s"]
 
     each = ", ".join(f"{w} {r:.1f}" for w, r in fig["worker_steps_per_s"].items())
     slices = ", ".join(f"{r:.0f}" for r in fig["slice_steps_per_s"])
@@ -567,6 +597,16 @@ def main(argv: list[str] | None = None) -> int:
                      f"{base['cpu_share']:.2f} of a core)")),
         ("ratio", (f"{ratio:.2f}x the baseline's steps/s (the figure that travels across "
                   "machines)")),
+        *([] if floor is None else [
+            ("gRPC floor", (f"{floor['steps_per_s']:.1f} steps/s on a minimal parameter server "
+                           "over bare grpcio (benchmarks/grpc_floor.py: the same steps, one "
+                           "unary call of raw bytes per server a step, no checks, no ledger, "
+                           "no retries), measured before the cluster; "
+                           f"{floor['cpu_ms_per_step']:.2f} CPU ms per step = servers "
+                           f"{floor['cpu_ms_per_step_by_role']['servers']:.2f} + workers "
+                           f"{floor['cpu_ms_per_step_by_role']['workers']:.2f}; paramserve "
+                           f"{record['ratio_to_floor']:.2f}x it; the floor "
+                           f"{floor['steps_per_s'] / TARGET_STEPS_PER_S:.2f} of the target"))]),
         ("targets", (f"TF ParameterServerStrategy {TF_PS_STEPS_PER_S:g} steps/s "
                     f"({rate / TF_PS_STEPS_PER_S:.2f}x), torch RPC {TORCH_RPC_STEPS_PER_S:g} "
                     f"steps/s ({rate / TORCH_RPC_STEPS_PER_S:.2f}x), measured on this machine "

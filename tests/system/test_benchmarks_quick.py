@@ -107,6 +107,15 @@ def test_w3_sparse_embedding():
     assert r["baseline"]["steps"] > 0 and 0 < r["unique_ids_per_step_median"] <= r["batch"]
 
 
+def test_w3_sparse_embedding_over_grpc_beside_its_floor():
+    r = run_quick("w3_sparse_embedding.py", "--no-shm")
+    assert r["values_ok"] is True and r["path"] == "grpc" and r["steps"] > 0
+    floor = r["floor"]
+    assert floor["steps"] > 0 and r["ratio_to_floor"] > 0
+    assert set(floor["cpu_ms_per_step_by_process"]) == {"s0", "s1", "w0", "w1"}
+    assert set(floor["cpu_ms_per_step_by_role"]) == {"servers", "workers"}
+
+
 def test_w4_latency():
     r = run_quick("w4_latency.py")
     assert {"paramserve", "bare_unary", "bare_unary_stream", "ratio_p50", "ratio_p99"} <= r.keys()
