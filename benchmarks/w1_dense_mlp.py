@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--no-floor", action="store_true",
+                        help="over gRPC (--no-shm), skip the floor: W1 on a minimal parameter "
+                        "server over bare grpcio (benchmarks/grpc_floor.py)")
     parser.add_argument("--compute-only", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
     harness.add_path_flag(parser)
     harness.add_quick_flag(parser)
@@ -280,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     with harness.bounded(args.seconds * 2 + args.warmup + 240, "W1"):
         baseline = compute_only(min(args.seconds, 10.0), args.workers)
         together = compute_only_together(min(args.seconds, 10.0), args.workers)
+        floor = None
+        if args.no_shm and not args.no_floor:
+            import grpc_floor
+
+            floor = grpc_floor.run(
+                ["--workload", "w1", "--seconds", repr(args.seconds), "--warmup",
+                 repr(args.warmup), "--servers", str(args.servers), "--workers",
+                 str(args.workers)], timeout_s=args.seconds + args.warmup + 300)
         with w1_cluster(args.servers, args.workers, not args.no_shm) as w1c:
             wait_all_stepping(w1c)
             first, last = measure_window(w1c, args.warmup, args.seconds)
@@ -309,6 +320,19 @@ def main(argv: list[str] | None = None) -> int:
                          f"{baseline['cpu_ms_per_step']:.1f} ms compute only "
                          f"({cpu['total'] / baseline['cpu_ms_per_step']:.2f}x)"),
     ]
+    extra = {}
+    if floor is not None:
+        extra = {"floor": floor, "ratio_to_floor": rate / floor["steps_per_s"],
+                 "floor_total_ratio": floor["steps_per_s"] / base}
+        report_rows.append((
+            "gRPC floor", f"{floor['steps_per_s']:.1f} steps/s on a minimal parameter server "
+                          "over bare grpcio (benchmarks/grpc_floor.py: the same MLP steps, one "
+                          "unary call of raw bytes per server a step, no checks, no ledger, "
+                          f"no retries) = {extra['floor_total_ratio']:.2f}x compute only; "
+                          f"{floor['cpu_ms_per_step']:.1f} CPU ms per step = servers "
+                          f"{floor['cpu_ms_per_step_by_role']['servers']:.1f} + workers "
+                          f"{floor['cpu_ms_per_step_by_role']['workers']:.1f}; paramserve "
+                          f"{extra['ratio_to_floor']:.2f}x it"))
     harness.report("W1 dense-mlp", report_rows, {
         "steps_per_s": rate, "per_worker_steps_per_s": per_worker,
         "worker_steps_per_s": measured["worker_steps_per_s"],
@@ -320,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "compute_only_cpu_ms_per_step": baseline["cpu_ms_per_step"],
         "blas_threads": baseline["blas_threads"], "server_peak_rss_bytes": rss,
         "steps": measured["steps"], "elapsed_s": measured["elapsed_s"],
-        "path": harness.path_name(args)}, quick=args.quick)
+        "path": harness.path_name(args), **extra}, quick=args.quick)
     return 0
 
 

@@ -329,17 +329,14 @@ def grpc_floor(args) -> dict:
     """W3's steps on a minimal parameter server over bare grpcio (benchmarks/grpc_floor.py),
     with the same servers, workers, table, ids and window, in a child process: the fastest a
     parameter server written in Python on grpcio goes here, promises aside."""
-    argv = [sys.executable, str(Path(__file__).with_name("grpc_floor.py")),
-            "--seconds", repr(args.seconds), "--warmup", repr(args.warmup),
-            "--slices", str(args.slices), "--rows", str(args.rows), "--dim", str(args.dim),
-            "--batch", str(args.batch), "--servers", str(args.servers),
-            "--workers", str(args.workers)]
-    done = subprocess.run(argv, cwd=harness.REPO_ROOT, capture_output=True, text=True,
-                          timeout=args.warmup + args.seconds + 300)
-    if done.returncode != 0:
-        raise RuntimeError(f"the gRPC floor exited with status {done.returncode}:\n"
-                           f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    import grpc_floor as floor
+
+    return floor.run(["--workload", "w3", "--seconds", repr(args.seconds),
+                      "--warmup", repr(args.warmup), "--slices", str(args.slices),
+                      "--rows", str(args.rows), "--dim", str(args.dim),
+                      "--batch", str(args.batch), "--servers", str(args.servers),
+                      "--workers", str(args.workers)],
+                     timeout_s=args.warmup + args.seconds + 300)
 
 
 def start_workers(group: harness.ProcessGroup, address: str, args, tmp: Path) -> list[dict]:

@@ -80,6 +80,14 @@ def test_w1_dense_mlp():
     assert set(r["cpu_ms_per_step_by_process"]) == {"coordinator", "s0", "s1", "w0", "w1"}
 
 
+def test_w1_dense_mlp_over_grpc_beside_its_floor():
+    r = run_quick("w1_dense_mlp.py", "--no-shm")
+    assert r["path"] == "grpc" and r["steps"] > 0
+    floor = r["floor"]
+    assert floor["workload"] == "w1" and floor["steps"] > 0 and r["ratio_to_floor"] > 0
+    assert set(floor["cpu_ms_per_step_by_process"]) == {"s0", "s1", "w0", "w1"}
+
+
 def test_w2_big_dense_timed():
     r = run_quick("w2_big_dense.py")
     assert {"paramserve", "baseline", "ratio", "server_peak_rss_bytes",
@@ -111,7 +119,8 @@ def test_w3_sparse_embedding_over_grpc_beside_its_floor():
     r = run_quick("w3_sparse_embedding.py", "--no-shm")
     assert r["values_ok"] is True and r["path"] == "grpc" and r["steps"] > 0
     floor = r["floor"]
-    assert floor["steps"] > 0 and r["ratio_to_floor"] > 0
+    assert floor["workload"] == "w3" and floor["steps"] > 0 and r["ratio_to_floor"] > 0
+    assert floor["unique_rows_per_s"] > 0
     assert set(floor["cpu_ms_per_step_by_process"]) == {"s0", "s1", "w0", "w1"}
     assert set(floor["cpu_ms_per_step_by_role"]) == {"servers", "workers"}
 
