@@ -244,3 +244,32 @@ def test_deploy_command_lines_parse(where, argv):
     assert not arrived, f"{program} takes {sorted(arrived)} now: remove them from PENDING"
     if unknown:
         pytest.xfail(f"{program} has no {sorted(set(unknown))} yet")
+
+
+def _daemon_environments() -> list[tuple[str, dict]]:
+    """(where, environment) of every coordinator and server the deploy files run."""
+    found = []
+    for name, service in yaml.safe_load(COMPOSE.read_text())["services"].items():
+        if (service.get("command") or [""])[0] in ("ps-coordinator", "ps-server"):
+            found.append((f"docker-compose.yml {name}", service.get("environment") or {}))
+    for path in MANIFESTS:
+        for doc in _documents(path):
+            for spec in _pod_specs(doc):
+                for container in spec["containers"]:
+                    argv = [*container.get("command", []), *container.get("args", [])]
+                    if argv[:1] in (["ps-coordinator"], ["ps-server"]):
+                        found.append((f"{path.name} {_name(doc)} {container['name']}",
+                                      {e["name"]: e.get("value")
+                                       for e in container.get("env") or []}))
+    return found
+
+
+def test_coordinators_and_servers_get_one_blas_thread():
+    """They never multiply matrices; a BLAS library's thread per core of the host would
+    count against its process limit for nothing (as ps-cluster, ps_worker.cluster)."""
+    environments = _daemon_environments()
+    assert {w.split()[0] for w, _ in environments} == {"docker-compose.yml", "paramserve.yaml",
+                                                       "tfjob.yaml"}
+    for where, environment in environments:
+        for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            assert environment.get(variable) == "1", f"{where}: {variable}"
