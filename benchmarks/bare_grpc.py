@@ -115,6 +115,12 @@ def serve(host: str, port: int, max_workers: int = 16) -> int:
     if bound == 0:
         print(f"bare-grpc: could not bind {host}:{port}", file=sys.stderr)
         return 1
+    return serve_until_signalled(server, f"bare-grpc listening on {host}:{bound}")
+
+
+def serve_until_signalled(server: grpc.Server, listening: str) -> int:
+    """Start `server`, print `listening` (the line harness.spawn waits for), serve until
+    SIGTERM or SIGINT, then stop it."""
     # A plain flag: a handler that took a lock (Event.set) could interrupt the main thread
     # while it holds that very lock in Event.wait, and deadlock.
     stopping = [False]
@@ -125,7 +131,7 @@ def serve(host: str, port: int, max_workers: int = 16) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     server.start()
-    print(f"bare-grpc listening on {host}:{bound}", flush=True)
+    print(listening, flush=True)
     while not stopping[0]:
         time.sleep(0.1)
     server.stop(1.0).wait(2.0)

@@ -1,24 +1,31 @@
-"""The floor of W3 over gRPC: a minimal parameter server on bare grpcio, with no promises.
+"""The floor over gRPC: W1's or W3's steps on a minimal parameter server over bare grpcio.
 
-What the leanest parameter server written in Python on grpcio does with W3's steps on this
-machine, measured the same way as paramserve: the fastest any library built like paramserve
-(Python over grpcio) could go, and so what a W3 target over gRPC can be held against. It
-keeps none of paramserve's promises: no check of ids, shapes or finiteness, no
-exactly-once ledger, no shard map or epochs, no retries or deadlines, no consistent reads,
-no metrics. Each server holds the rows whose `id % servers` is its index (cheaper than
-paramserve's hash) in a NumPy array; each worker step is one unary call per server with raw
-bytes in and out (identity serializers, no protobuf), carrying the summed gradient rows of
-the step's distinct ids and the next step's distinct ids, and answered with those rows (as
-`push_pull_rows`: the push applied, then the next rows read). The workers do the same NumPy
-work as paramserve's client: draw the ids, deduplicate them (once per step: the pull's
-`np.unique` serves the push that follows), sum the duplicates' gradients with the client's
-`sum_duplicates`, scatter the rows back into the ids' order. The first server's call is
-made in the worker's thread, the others' in a thread pool, as PSClient does.
+What the leanest parameter server written in Python on grpcio does with a workload's steps,
+measured the same way as paramserve: the fastest any library built like paramserve (Python
+over grpcio) could go, and so what a target over gRPC can be held against. It keeps none of
+paramserve's promises: no check of ids, shapes or finiteness, no exactly-once ledger, no
+shard map or epochs, no retries, no consistent reads, no metrics (its calls do carry a
+deadline, as paramserve's do). Each worker step is one unary call per server, raw bytes in
+and out (identity serializers, no protobuf), the first made in the worker's thread and the
+others in a thread pool, as PSClient makes them.
 
-    python benchmarks/grpc_floor.py                 # 2 servers, 2 workers, 20 s after 3 s
-    python benchmarks/grpc_floor.py --quick         # a 10,000 x 8 table, 1 s: does it run?
+- `--workload w3` (the default): each server holds the rows whose `id % servers` is its index
+  (cheaper than paramserve's hash); a call carries the summed gradient rows of the step's
+  distinct ids and the next step's distinct ids, and is answered with those rows (as
+  `push_pull_rows`: the push applied, then the next rows read). The workers do the same NumPy
+  work as paramserve's client: draw the ids, deduplicate them (once a step: the pull's
+  `np.unique` serves the push that follows), sum the duplicates' gradients with the client's
+  `sum_duplicates`, scatter the rows back into the ids' order.
+- `--workload w1`: W1's MLP variables placed whole (largest first, to the emptiest server);
+  a call carries the gradient of the server's variables and is answered with their values
+  after SGD; the workers compute the MLP's forward and backward on the batches of W1's
+  compute-only baseline.
 
-`w3_sparse_embedding.py --no-shm` runs it in the same run as paramserve's cluster.
+    python benchmarks/grpc_floor.py                   # W3: 2 servers, 2 workers, 20 s after 3 s
+    python benchmarks/grpc_floor.py --workload w1     # W1
+    python benchmarks/grpc_floor.py --quick           # a few seconds: does it run?
+
+`w1_dense_mlp.py --no-shm` and `w3_sparse_embedding.py --no-shm` run it before their cluster.
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -39,6 +45,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bare_grpc
 import harness
 import w1_dense_mlp as w1
 import w3_sparse_embedding as w3
@@ -207,19 +214,8 @@ def serve(index: int, spec: dict) -> int:
         method: grpc.unary_unary_rpc_method_handler(
             handler, request_deserializer=_identity, response_serializer=_identity)})])
     bound = server.add_insecure_port(f"{harness.HOST}:0")
-    stopping = [False]  # a plain flag, as bare_grpc's server: no lock in a signal handler
-
-    def on_signal(signum, frame):
-        stopping[0] = True
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
-    server.start()
-    print(f"minimal-ps listening on {harness.HOST}:{bound}", flush=True)
-    while not stopping[0]:
-        time.sleep(0.1)
-    server.stop(1.0).wait(2.0)
-    return 0
+    return bare_grpc.serve_until_signalled(server,
+                                           f"minimal-ps listening on {harness.HOST}:{bound}")
 
 
 def work(spec: dict) -> int:
