@@ -103,31 +103,30 @@ def w3_steps(spec: dict, call_all):
     out = np.empty((batch, dim), np.float32)
     grad_buffer = np.empty((batch, dim), np.float32)
     no_ids, no_rows = np.empty(0, np.int64), np.empty((0, dim), np.float32)
-    held = None  # (distinct ids, inverse) of the rows in `out`
+    held = None  # (distinct ids, inverse, each server's mask of them) of the rows in `out`
 
     def one_step(step: int) -> None:
         nonlocal held
         next_ids = w3.draw_ids(w3.step_seed(stream, step), rows, batch)
         next_unique, next_inverse = np.unique(next_ids, return_inverse=True)
         next_owner = next_unique % servers
+        next_masks = [next_owner == k for k in range(servers)]
         if held is None:
             pushes = [(no_ids, no_rows)] * servers
         else:
-            unique, inverse = held
+            unique, inverse, masks = held
             summed = sum_duplicates(w3.fake_gradient(out, grad_buffer), inverse, len(unique))
-            owner = unique % servers
-            pushes = [(unique[owner == k], summed[owner == k]) for k in range(servers)]
-        answers = call_all([b"".join((_COUNTS.pack(len(ids), int(np.count_nonzero(
-                                          next_owner == k))),
+            pushes = [(unique[mask], summed[mask]) for mask in masks]
+        answers = call_all([b"".join((_COUNTS.pack(len(ids), int(np.count_nonzero(mask))),
                                       ids.tobytes(), grads.tobytes(),
-                                      next_unique[next_owner == k].tobytes()))
-                            for k, (ids, grads) in enumerate(pushes)])
+                                      next_unique[mask].tobytes()))
+                            for (ids, grads), mask in zip(pushes, next_masks)])
         gathered = np.empty((len(next_unique), dim), np.float32)
-        for k, answer in enumerate(answers):
-            gathered[next_owner == k] = np.frombuffer(answer, np.float32).reshape(-1, dim)
+        for mask, answer in zip(next_masks, answers):
+            gathered[mask] = np.frombuffer(answer, np.float32).reshape(-1, dim)
         next_inverse = next_inverse.reshape(-1)
         np.take(gathered, next_inverse, axis=0, out=out)
-        held = (next_unique, next_inverse)
+        held = (next_unique, next_inverse, next_masks)
 
     return one_step, w3.WARM_OFFSET
 
