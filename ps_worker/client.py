@@ -137,14 +137,14 @@ class _Piece:
 
 
 class _PullAlong:
-    """A pull that may go along with a push to the same server (PushThenPull): its size,
-    and once it went, the arrays its tensors landed in. Its request and arrays are made
-    only if it goes (a push over shared memory takes none along)."""
+    """A pull that may go along with a push to the same server (PushThenPull): its size in
+    bytes, and once it went, the arrays its tensors landed in. Its request and arrays are
+    made only if it goes (a push over shared memory takes none along)."""
 
-    def __init__(self, make_request, shapes: list[tuple[int, int]], dtype: np.dtype):
+    def __init__(self, make_request, make_destinations, nbytes: int):
         self._make_request = make_request
-        self._shapes, self._dtype = shapes, np.dtype(dtype)
-        self.nbytes = sum(rows * dim for rows, dim in shapes) * self._dtype.itemsize
+        self._make_destinations = make_destinations
+        self.nbytes = nbytes
         self.destinations: list[np.ndarray] = []
         self.done = False
 
@@ -152,11 +152,45 @@ class _PullAlong:
         return self._make_request().SerializeToString()
 
     def receive(self, answer, server_id: str) -> None:
-        self.destinations = [np.empty(shape, self._dtype) for shape in self._shapes]
+        self.destinations = self._make_destinations()
         assembler = StreamAssembler(self.destinations, what=f"pull from {server_id}")
         assembler.write(answer.data)
         assembler.finish()
         self.done = True
+
+
+class _DensePull:
+    """One server's part of a pull of whole variables: its request, the arrays its tensors
+    land in (the outputs themselves where the bytes are already the values), and `finish`,
+    which converts the rest into the outputs once they arrived."""
+
+    def __init__(self, shard_map: ShardMap, shards: list[Shard],
+                 outputs: dict[str, np.ndarray], wire_dtype: str | None):
+        self._epoch, self._shards, self._wire_dtype = shard_map.epoch, shards, wire_dtype
+        self.destinations: list[np.ndarray] = []
+        self._conversions = []
+        for shard in shards:
+            spec = shard_map.variables[shard.variable]
+            # A table's shard is every stride-th row: it lands in a buffer first.
+            rows = outputs[shard.variable][shard.row_start:shard.row_stop:shard.stride]
+            wire = wire_dtype or spec.dtype
+            if wire != spec.dtype or shard.stride > 1:
+                raw = np.empty(rows.shape, wire_raw_dtype(wire))
+                self.destinations.append(raw)
+                self._conversions.append((rows, raw, wire))
+            else:
+                self.destinations.append(rows)
+        self.nbytes = sum(d.nbytes for d in self.destinations)
+
+    def request(self) -> ps_pb.PullRequest:
+        return ps_pb.PullRequest(
+            epoch=self._epoch,
+            shards=[ps_pb.ShardRef(variable=s.variable, index=s.index) for s in self._shards],
+            wire_dtype=dtype_to_proto(self._wire_dtype) if self._wire_dtype else 0)
+
+    def finish(self) -> None:
+        for rows, raw, wire in self._conversions:
+            rows[...] = from_wire(raw, wire)
 
 
 class PSClient:
@@ -501,13 +535,7 @@ class PSClient:
         wanted = [names] if single else list(dict.fromkeys(names))
         for _ in range(MAX_MAP_REFRESHES):
             shard_map = self._map_with(wanted)
-            for name in wanted:
-                self._check_wire_dtype(shard_map.spec(name), wire_dtype)
-                if shard_map.spec(name).dynamic:
-                    raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"{name!r} is a dynamic embedding table: its rows are "
-                                       "any int64 ids, it cannot be pulled whole; use pull_rows")
-            outputs = {n: self._output(shard_map.spec(n), out) for n in wanted}
+            outputs = self._pull_outputs(shard_map, wanted, out, wire_dtype)
             try:
                 self._run_per_server(shard_map, wanted, lambda sid, shards: self._pull_from(
                     shard_map, sid, shards, outputs, wire_dtype))
@@ -524,6 +552,19 @@ class PSClient:
         """`pull` in the background (e.g. the next step's parameters while this step
         computes); returns a Future of what `pull` returns."""
         return self._prefetch_pool.submit(self.pull, names, wire_dtype=wire_dtype, out=out)
+
+    def _pull_outputs(self, shard_map: ShardMap, names: list[str],
+                      out: Mapping[str, np.ndarray] | None,
+                      wire_dtype: str | None) -> dict[str, np.ndarray]:
+        """The arrays a pull of `names` lands in (`out`'s where given), once the pull is
+        checked: raises before anything is sent."""
+        for name in names:
+            self._check_wire_dtype(shard_map.spec(name), wire_dtype)
+            if shard_map.spec(name).dynamic:
+                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{name!r} is a dynamic embedding table: its rows are "
+                                   "any int64 ids, it cannot be pulled whole; use pull_rows")
+        return {n: self._output(shard_map.spec(n), out) for n in names}
 
     @staticmethod
     def _check_wire_dtype(spec: VariableSpec, wire_dtype: str | None) -> None:
@@ -567,29 +608,12 @@ class PSClient:
 
     def _pull_from(self, shard_map: ShardMap, server_id: str, shards: list[Shard],
                    outputs: dict[str, np.ndarray], wire_dtype: str | None) -> None:
-        destinations, conversions = [], []
-        for shard in shards:
-            spec = shard_map.variables[shard.variable]
-            # A table's shard is every stride-th row: it lands in a buffer first.
-            rows = outputs[shard.variable][shard.row_start:shard.row_stop:shard.stride]
-            wire = wire_dtype or spec.dtype
-            if wire != spec.dtype or shard.stride > 1:
-                raw = np.empty(rows.shape, wire_raw_dtype(wire))
-                destinations.append(raw)
-                conversions.append((rows, raw, wire))
-            else:
-                destinations.append(rows)
-        request = ps_pb.PullRequest(
-            epoch=shard_map.epoch,
-            shards=[ps_pb.ShardRef(variable=s.variable, index=s.index) for s in shards],
-            wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0,
-        )
         if all(s.stride == 1 for s in shards) and self._pull_shared(
                 shard_map, server_id, shards, outputs, wire_dtype):
             return
-        self._receive(shard_map, server_id, request, destinations)
-        for rows, raw, wire in conversions:
-            rows[...] = from_wire(raw, wire)
+        plan = _DensePull(shard_map, shards, outputs, wire_dtype)
+        self._receive(shard_map, server_id, plan.request(), plan.destinations)
+        plan.finish()
 
     def _receive(self, shard_map: ShardMap, server_id: str, request: ps_pb.PullRequest,
                  destinations: list[np.ndarray]) -> None:
@@ -795,13 +819,15 @@ class PSClient:
             groups = self._rows_by_server(spec, shard_map, unique)
             along.update(shard_map=shard_map, spec=spec, result=result, unique=unique,
                          inverse=inverse, groups=groups, pulls={})
-            wire = wire_dtype or spec.dtype
+            raw = wire_raw_dtype(wire_dtype or spec.dtype)
             for server_id, parts in groups.items():
                 if len(_id_batches(parts)) == 1:
                     along["pulls"][server_id] = _PullAlong(
                         lambda parts=parts: self._rows_request(shard_map, parts, unique,
                                                                wire_dtype),
-                        [(len(p), spec.shape[1]) for _, p in parts], wire_raw_dtype(wire))
+                        lambda parts=parts: [np.empty((len(p), spec.shape[1]), raw)
+                                             for _, p in parts],
+                        sum(len(p) for _, p in parts) * spec.shape[1] * raw.itemsize)
             return along["pulls"]
 
         self._push_rows(name, ids, grads, wire_dtype, pulls_for)
@@ -1000,6 +1026,51 @@ class PSClient:
         finally:
             for server_id, sequence in sequences.values():
                 self._finish_sequence(server_id, sequence)
+
+    def push_pull(self, grads: Mapping[str, np.ndarray], names: str | list[str], *,
+                  out: Mapping[str, np.ndarray] | None = None,
+                  wire_dtype: str | None = None):
+        """`push(grads)`, then `pull(names, out=out)`: a trainer's gradients of one step out
+        and the values of a later step back. Over gRPC, a server that gets both gets them
+        in one call (one round trip, and one call for the server to handle, instead of two)
+        when each fits one message. Each server's values are read after this push was
+        applied there, exactly as with the two calls in turn, and the same errors are
+        raised: a bad `names` or `out` is refused before anything is sent. `wire_dtype` is
+        both parts'. Returns what `pull` returns."""
+        single = isinstance(names, str)
+        wanted = [names] if single else list(dict.fromkeys(names))
+        shard_map = self._map_with([*grads, *wanted])
+        outputs = self._pull_outputs(shard_map, wanted, out, wire_dtype)
+        pieces = self._split(shard_map, grads, wire_dtype)
+        groups = shard_map.group_by_server(wanted)
+        plans = {sid: _DensePull(shard_map, shards, outputs, wire_dtype)
+                 for sid, shards in groups.items()}
+        pulls = {sid: _PullAlong(plan.request, lambda plan=plan: plan.destinations, plan.nbytes)
+                 for sid, plan in plans.items()}
+        self._send(shard_map, pieces, stepped=True, pulls=pulls)
+        rest = {}
+        for server_id, shards in groups.items():
+            if pulls[server_id].done:
+                plans[server_id].finish()
+            else:
+                rest[server_id] = shards
+        try:
+            self._run_groups(rest, lambda sid, shards: self._pull_from(
+                shard_map, sid, shards, outputs, wire_dtype))
+        except RemoteError as error:
+            if not self._map_moved(shard_map, error):
+                raise
+            return self.pull(names, wire_dtype=wire_dtype, out=out)
+        return outputs[names] if single else outputs
+
+    def push_pull_async(self, grads: Mapping[str, np.ndarray], names: str | list[str], *,
+                        out: Mapping[str, np.ndarray] | None = None,
+                        wire_dtype: str | None = None) -> futures.Future:
+        """`push_pull` in the background, in the window of `push_async` (`flush` waits for
+        it too); returns a Future of the pulled values. The caller must not modify `grads`
+        or read `out` until it is done."""
+        return self._push_in_background(self.push_pull, grads, names, out=out,
+                                        wire_dtype=wire_dtype)
 
     def push_async(self, grads: Mapping[str, np.ndarray], *,
                    wire_dtype: str | None = None) -> futures.Future:

@@ -5,10 +5,11 @@ heartbeats and hands its task to another worker. Task semantics are at-least-onc
 whose worker died after pushing some gradients is run again, as in TF's
 ParameterServerStrategy); pushes within a task are exactly-once.
 
-The step loop overlaps communication and compute: the next step's pull is in flight while
-this step's gradient is computed, and pushes go out in the background (bounded window).
-Pulled bytes land in reusable host buffers (pinned on a GPU) and move to the device
-asynchronously.
+The step loop overlaps communication and compute: a step's push goes out in the background
+(bounded window) and brings back the values of the step after next (`PSClient.push_pull`:
+one call per server), which travel while the next step computes; a model's table rows are
+prefetched a step ahead. Pulled bytes land in reusable host buffers (pinned on a GPU) and
+move to the device asynchronously.
 """
 
 from __future__ import annotations
@@ -151,10 +152,11 @@ class Trainer:
     """Runs tasks of one job against one PSClient. Not thread-safe: one per worker.
 
     A model with embedding tables (``ps_worker.models.base``) has, each step, its dense
-    variables pulled whole and the rows its batch needs pulled by id; both are prefetched
-    one step ahead into reusable host buffers. Dense gradients go out with ``push_async``,
-    each table's with ``push_rows_async`` (the same in-flight window); ``flush`` ends a
-    task once all of them have landed. Evaluation pulls the rows of each test batch.
+    variables pulled whole and the rows its batch needs pulled by id, into reusable host
+    buffers ahead of time (see `_train`). Dense gradients go out with ``push_pull_async``
+    (``push_async`` near a task's end), each table's with ``push_rows_async`` (the same
+    in-flight window); ``flush`` ends a task once all of them have landed. Evaluation
+    pulls the rows of each test batch.
 
     `observer` (None: nothing is measured) is told after every training step how long the
     step waited for its pulled values and for its pushes: `observer.step(pull_wait_s,
@@ -248,27 +250,32 @@ class Trainer:
 
     def _train(self, ps: PSClient, batches, result: "TaskResult", started: float,
                stepped: bool, should_stop) -> "TaskResult":
-        # Two host buffer sets: step i reads one while the pull for step i + 1 fills the other.
-        # In ssp:K and sync the next pull waits for this step's push instead: the push
-        # returns when the mode lets the next step start, and its values must be the ones
-        # that step is allowed to see.
-        upcoming = ps.pull_async(self.names, out=self._buffers(0))
+        # The dense values of step i land in host buffer set i % 2. The first steps pull
+        # them; after that, the push of step i brings back the values of step i + `ahead`
+        # (push_pull: one call per server, not a pull and a push). In async, ahead = 2: they
+        # travel while step i + 1 computes, as a prefetched pull would, and are read after
+        # step i's gradient was applied. In ssp:K and sync, ahead = 1: the push returns when
+        # the mode lets the next step start, and its values are the ones that step is
+        # allowed to see.
+        ahead = 1 if stepped else 2
+        values = {i: ps.pull_async(self.names, out=self._buffers(i))
+                  for i in range(min(ahead, len(batches)))}
         upcoming_rows = self._pull_rows_async(ps, batches[0], 0) if batches else _NO_ROWS
         observer = self.observer
         for step, (x, y) in enumerate(batches):
             if should_stop():
-                upcoming.result()  # no pull may still be writing into a buffer when we return
+                # No pull may still be writing into a buffer when we return.
+                futures_wait(list(values.values()))
                 upcoming_rows.wait()
                 break
             waiting = time.monotonic() if observer is not None else 0.0
-            host = upcoming.result()
+            host = values.pop(step).result()
             pulled = upcoming_rows
             if observer is not None:
                 pulled.wait()
                 pull_wait = time.monotonic() - waiting
             rows, inverse = self._rows_on_device(pulled)
             if step + 1 < len(batches) and not stepped:
-                upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
                 upcoming_rows = self._pull_rows_async(ps, batches[step + 1], (step + 1) % 2)
             params = {**self._on_device(host), **rows}
             loss, grads, correct = self._step(params, (x, y))
@@ -278,11 +285,19 @@ class Trainer:
                                                     len(pulled.ids[name]))
             self._reuse_slot(step)
             host_grads = self.grads_to_host(grads, step)
-            self.backend.synchronize()
+            self.backend.synchronize()  # also: no copy still reads this step's buffers
             dense_grads = {n: g for n, g in host_grads.items() if n not in self.tables}
             waiting = time.monotonic() if observer is not None else 0.0
-            # push_async waits while the window of pushes in flight is full.
-            pushes = [ps.push_async(dense_grads)] if dense_grads else []
+            later = step + ahead
+            # push_async and push_pull_async wait while the window of pushes is full.
+            pushes = []
+            if dense_grads:
+                if later < len(batches):
+                    values[later] = ps.push_pull_async(dense_grads, self.names,
+                                                       out=self._buffers(later % 2))
+                    pushes.append(values[later])
+                else:
+                    pushes.append(ps.push_async(dense_grads))
             pushes += [ps.push_rows_async(name, pulled.ids[name], host_grads[name])
                        for name in self.tables]
             self._track_slot(step, pushes)
@@ -292,8 +307,9 @@ class Trainer:
                     push.result()  # raises what the push raised
             if observer is not None:
                 observer.step(pull_wait, time.monotonic() - waiting)
+            if later < len(batches) and later not in values:  # no dense gradient came back
+                values[later] = ps.pull_async(self.names, out=self._buffers(later % 2))
             if stepped and step + 1 < len(batches):
-                upcoming = ps.pull_async(self.names, out=self._buffers((step + 1) % 2))
                 upcoming_rows = self._pull_rows_async(ps, batches[step + 1], (step + 1) % 2)
             result.loss_sum += float(loss) * len(y)
             result.examples += len(y)

@@ -397,6 +397,103 @@ def test_a_failed_push_async_does_not_replace_the_exception_leaving_the_with_blo
             raise KeyError("the block's own error")
 
 
+# ---- push_pull: a step's push and a later step's pull -----------------------------------
+
+def test_push_pull_equals_a_push_then_a_pull_in_one_call_per_server(make_cluster, data_path):
+    cluster = make_cluster(servers=3, split_threshold_bytes=1000)
+    rng = np.random.default_rng(11)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(60, 10), init="glorot_uniform", optimizer=SGD1, seed=1)
+        ps.declare("b", shape=(10,), init="normal", optimizer=SGD1, seed=2)
+        ps.declare("frozen", shape=(7,), init="uniform", optimizer=SGD1, seed=3)
+        assert len(ps.shard_map.shards["w"]) == 3
+        reference = ps.pull(["w", "b", "frozen"])
+        out = {name: np.empty_like(value) for name, value in reference.items()}
+        for _ in range(4):
+            grads = {"w": rng.normal(size=(60, 10)).astype(np.float32),
+                     "b": rng.normal(size=10).astype(np.float32)}
+            calls = dict(cluster.faults.calls)
+            # "frozen" gets no gradient: its server (if it gets no other) is pulled from.
+            got = ps.push_pull(grads, ["w", "b", "frozen"], out=out)
+            assert all(got[name] is out[name] for name in out)
+            assert cluster.faults.calls.get("Pull", 0) == calls.get("Pull", 0) + (
+                0 if data_path == "shm" else
+                len({s.server_id for s in ps.shard_map.shards["frozen"]}
+                    - {s.server_id for n in grads for s in ps.shard_map.shards[n]}))
+            if data_path != "shm":  # one call per server for both
+                assert cluster.faults.calls["Push"] - calls.get("Push", 0) == 3
+            for name, grad in grads.items():
+                reference[name] = reference[name] - grad
+            assert_same_values(reference, got)
+        assert_same_values(reference, ps.pull(["w", "b", "frozen"]))
+        assert ps.push_pull({"b": np.ones(10, np.float32)}, "b").shape == (10,)
+
+
+def test_push_pull_larger_than_a_message_is_a_push_then_a_pull(make_cluster):
+    cluster = make_cluster(servers=2, split_threshold_bytes=500, chunk_bytes=64)
+    with PSClient(cluster.coordinator_address, chunk_bytes=64) as ps:
+        ps.declare("w", shape=(40, 5), init="uniform", optimizer=SGD1)
+        before = ps.pull("w")
+        got = ps.push_pull({"w": np.ones((40, 5), np.float32)}, ["w"])
+        np.testing.assert_array_equal(got["w"], before - 1.0)
+        np.testing.assert_array_equal(ps.pull("w"), before - 1.0)
+
+
+def test_push_pull_through_a_narrower_wire_dtype(make_cluster):
+    cluster = make_cluster(servers=2)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(8, 4), init="uniform", optimizer=SGD1, seed=5)
+        before = ps.pull("w")
+        grad = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+        got = ps.push_pull({"w": grad}, "w", wire_dtype="bfloat16")
+        after = before - bf16_round(grad)
+        np.testing.assert_array_equal(ps.pull("w"), after)
+        np.testing.assert_array_equal(got, bf16_round(after))
+
+
+def test_push_pull_refuses_a_bad_pull_before_it_sends_anything(populated):
+    _, ps = populated
+    before = pull_all(ps)
+    grads = {"b": np.ones(10, np.float32)}
+    expect_error(grpc.StatusCode.NOT_FOUND, ps.push_pull, grads, ["b", "nope"])
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push_pull, grads, ["h"],
+                 wire_dtype="float32")  # wider than h's float16
+    with pytest.raises(ValueError, match="out"):
+        ps.push_pull(grads, ["b"], out={"b": np.empty(9, np.float32)})
+    # and a bad push, as push refuses it
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push_pull,
+                 {"b": np.full(10, np.nan, np.float32)}, ["b"])
+    assert_same_values(before, pull_all(ps))
+
+
+def test_a_lost_push_pull_answer_is_retried_and_the_push_applied_once(make_cluster):
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(6,), optimizer=SGD1)
+        cluster.faults.drop_response_next("Push", 1)
+        got = ps.push_pull({"w": np.ones(6, np.float32)}, ["w"])
+        np.testing.assert_array_equal(got["w"], -np.ones(6, np.float32))
+        np.testing.assert_array_equal(ps.pull("w"), -np.ones(6, np.float32))
+
+
+def test_push_pull_async_is_in_the_push_window_and_flushed(make_cluster):
+    cluster = make_cluster(servers=2, split_threshold_bytes=100)
+    with PSClient(cluster.coordinator_address, max_in_flight_pushes=2) as ps:
+        ps.declare("w", shape=(10, 5), optimizer=SGD1)
+        pending = [ps.push_pull_async({"w": np.ones((10, 5), np.float32)}, ["w"])
+                   for _ in range(6)]
+        ps.flush(timeout=JOIN_TIMEOUT_S)
+        # With two in flight at most, push i went out after all but one of pushes 0..i-1
+        # were applied: each server's values show at least i pushes (1 for the first).
+        seen = [f.result(timeout=JOIN_TIMEOUT_S)["w"] for f in pending]
+        for i, values in enumerate(seen):
+            assert ((-6 <= values) & (values <= -max(i, 1))).all(), (i, values)
+        np.testing.assert_array_equal(ps.pull("w"), np.full((10, 5), -6.0, np.float32))
+        bad = ps.push_pull_async({"nope": np.ones(3, np.float32)}, ["w"])
+        assert bad.exception(timeout=JOIN_TIMEOUT_S).code() == grpc.StatusCode.NOT_FOUND
+        expect_error(grpc.StatusCode.NOT_FOUND, ps.flush, timeout=JOIN_TIMEOUT_S)
+
+
 # ---- bad input through the client -------------------------------------------------------------
 
 @pytest.fixture

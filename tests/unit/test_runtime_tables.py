@@ -5,6 +5,7 @@ AUC; and that a dense model never touches the row calls."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 
 import numpy as np
 import pytest
@@ -44,8 +45,9 @@ class FakePS:
         for spec in specs:
             self.values[spec.name] = self._rng.uniform(-0.1, 0.1, spec.shape).astype(np.float32)
 
-    def pull(self, names, *, out=None, wire_dtype=None):
-        self.calls.append(("pull", tuple(names), None))
+    def pull(self, names, *, out=None, wire_dtype=None, log=True):
+        if log:
+            self.calls.append(("pull", tuple(names), None))
         result = {}
         for name in names:
             target = out[name] if out is not None else np.empty_like(self.values[name])
@@ -71,10 +73,18 @@ class FakePS:
 
     def push_async(self, grads, *, wire_dtype=None):
         self.calls.append(("push", tuple(sorted(grads)), None))
+        self._apply(grads)
+        return done()
+
+    def _apply(self, grads):
         for name, grad in grads.items():
             assert grad.shape == self.values[name].shape
             self.values[name] -= self.lr * grad
-        return done()
+
+    def push_pull_async(self, grads, names, *, out=None, wire_dtype=None):
+        self.calls.append(("push_pull", tuple(sorted(grads)), None))
+        self._apply(grads)
+        return done(self.pull(names, out=out, log=False))
 
     def push_rows_async(self, name, ids, grads, *, wire_dtype=None):
         assert grads.shape == (len(ids), self.values[name].shape[1])
@@ -156,11 +166,13 @@ def test_each_step_pulls_and_pushes_each_distinct_id_of_its_batch_once() -> None
         assert grads.shape == (len(np.unique(want)), trainer.tables["embedding"].dim)
     # Zipf ids repeat within a batch: fewer rows move than the batch has ids.
     assert any(len(ids) < len(want) for ids, want in zip(pushed, expected))
-    # Dense variables: pulled whole every step (never the table), pushed every step.
-    assert len(ps.of("pull")) == len(batches)
+    # Dense variables: pulled whole every step (never the table), pushed every step; the
+    # first two steps' values are pulled, the others come back with an earlier push.
+    assert len(ps.of("pull")) == 2 and len(ps.of("push_pull")) == len(batches) - 2
     assert all("embedding" not in names for _, names, _ in ps.of("pull"))
-    assert all("embedding" not in names and names for _, names, _ in ps.of("push"))
-    assert len(ps.of("push")) == len(batches)
+    assert all("embedding" not in names and names
+               for _, names, _ in ps.of("push") + ps.of("push_pull"))
+    assert len(ps.of("push")) == 2
     assert ps.calls[-1][0] == "flush"  # the task ends once its pushes have landed
     assert result.examples == len(indices) and 0 <= result.correct <= result.examples
 
@@ -258,3 +270,111 @@ def test_a_dense_model_never_pulls_or_pushes_rows_and_has_no_auc() -> None:
     assert evaluation.auc is None
     assert not ps.of("pull_rows") and not ps.of("push_rows")
     assert all(names == tuple(trainer.names) for _, names, _ in ps.of("pull"))
+
+
+# ---- dense values: pulled for the first steps, then back with the pushes ----------------
+
+def dense_trainer(mode: str = "async") -> tuple[Trainer, FakePS, int]:
+    data = load_dataset("digits")
+    model = build_model("mlp", num_features=data.num_features, num_classes=data.num_classes,
+                        hidden=(8,))
+    trainer = Trainer(JobSpec(batch_size=64, mode=mode), data, model, NumpyBackend())
+    ps = SteppedFakePS(lr=0.5)
+    ps.declare_many(trainer.specs)
+    indices = task_indices(data.num_train, epoch=0, task_index=0, tasks_per_epoch=4, seed=0)
+    return trainer, ps, len(list(iter_batches(data, indices, 64)))
+
+
+class SteppedFakePS(FakePS):
+    """FakePS that also records which host buffers each call fills, and joins steps."""
+
+    def __init__(self, lr: float):
+        super().__init__(lr=lr)
+        self.buffers: list[tuple[str, int]] = []  # (method, id of the buffer set filled)
+
+    def pull_async(self, names, *, out=None, wire_dtype=None):
+        self.buffers.append(("pull", id(out[names[0]])))
+        return super().pull_async(names, out=out)
+
+    def push_pull_async(self, grads, names, *, out=None, wire_dtype=None):
+        self.buffers.append(("push_pull", id(out[names[0]])))
+        return super().push_pull_async(grads, names, out=out)
+
+    def join_steps(self, mode):
+        self.calls.append(("join_steps", mode, None))
+
+    def leave_steps(self):
+        self.calls.append(("leave_steps", None, None))
+
+
+def test_in_async_a_steps_push_brings_back_the_values_of_the_step_after_next() -> None:
+    trainer, ps, steps = dense_trainer()
+    seen = []
+    step = trainer._step
+
+    def recording(params, batch):
+        seen.append({n: params[n].copy() for n in trainer.names})
+        return step(params, batch)
+
+    trainer._step = recording
+    result = trainer.train(ps, task(0), should_stop=lambda: False)
+    assert result.steps == steps > 4
+    # pull 0, pull 1, then step i's push with the values of step i + 2, then plain pushes
+    assert [c[0] for c in ps.calls] == (["pull"] * 2 + ["push_pull"] * (steps - 2)
+                                        + ["push"] * 2 + ["flush"])
+    # Step i + 2's values land in the buffers that step i read, once it is done with them.
+    filled = [buffer for _, buffer in ps.buffers]
+    assert filled[0] != filled[1] and filled == [filled[i % 2] for i in range(steps)]
+    # Every step but the first two computes with the values after step i - 2's push.
+    for i in range(2, steps):
+        changed = [not np.array_equal(seen[i][n], seen[i - 1][n]) for n in trainer.names]
+        assert any(changed), i
+    np.testing.assert_array_equal(seen[1][trainer.names[0]], seen[0][trainer.names[0]])
+
+
+def test_in_ssp_a_steps_push_brings_back_the_values_of_the_next_step() -> None:
+    trainer, ps, steps = dense_trainer("ssp:1")
+    trainer.train(ps, task(0), should_stop=lambda: False)
+    assert [c[0] for c in ps.calls] == (["join_steps", "pull"] + ["push_pull"] * (steps - 1)
+                                        + ["push", "flush", "leave_steps"])
+    filled = [buffer for _, buffer in ps.buffers]
+    assert filled == [filled[i % 2] for i in range(steps)] and filled[0] != filled[1]
+
+
+def test_a_stop_mid_task_waits_for_the_values_still_in_flight(monkeypatch) -> None:
+    """They land in the trainer's buffers: none may still be coming when train returns."""
+    import ps_worker.runtime as runtime
+
+    trainer, ps, _ = dense_trainer()
+    in_flight: list[Future] = []
+    push_pull_async = ps.push_pull_async
+
+    def unfinished(grads, names, *, out=None, wire_dtype=None):
+        in_flight.append(Future())  # its values are not back yet
+        in_flight[-1].values = push_pull_async(grads, names, out=out).result()
+        return in_flight[-1]
+
+    waited: list[Future] = []
+
+    def waiting(fs, *args, **kwargs):
+        for future in fs:
+            waited.append(future)
+            if not future.done():
+                future.set_result(future.values)  # they arrive while the trainer waits
+        return futures_wait(fs, *args, **kwargs)
+
+    # Step 1 needs the values of step 0's push, which the fake finishes when asked for.
+    def result_of(future, result=Future.result):
+        if not future.done():
+            future.set_result(future.values)
+        return result(future)
+
+    monkeypatch.setattr(ps, "push_pull_async", unfinished)
+    monkeypatch.setattr(runtime, "futures_wait", waiting)
+    monkeypatch.setattr(Future, "result", result_of)
+    steps = iter(range(100))
+    result = trainer.train(ps, task(0), should_stop=lambda: next(steps) >= 3)
+    assert result.steps == 3 and ps.calls[-1][0] == "flush"
+    # Steps 0, 1 and 2 pushed with the values of steps 2, 3 and 4; 3 and 4 never ran.
+    assert len(in_flight) == 3 and all(f.done() for f in in_flight)
+    assert in_flight[1] in waited and in_flight[2] in waited
