@@ -17,7 +17,7 @@ from ps_common.rpc import DEFAULT_CHUNK_BYTES
 from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import SERVER, TF_CONFIG_ENV, Task
 from ps_server.app import ParameterServer, ServerConfig
-from ps_server.memory import use_one_malloc_arena
+from ps_server.memory import tune_malloc
 
 log = logging.getLogger("ps-server")
 
@@ -113,7 +113,7 @@ def server_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     config, task = config_and_task(parser, args)
-    use_one_malloc_arena()
+    tune_malloc()
     try:
         server = ParameterServer(config).start()
     except MetricsBindError as error:

@@ -54,26 +54,46 @@ def default_checkpoint_memory() -> int:
     return max(MIN_CHECKPOINT_MEMORY, int(total * DEFAULT_CHECKPOINT_FRACTION) if total else 0)
 
 
-# glibc's mallopt parameter for the number of malloc arenas (malloc.h).
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
+# Blocks up to this size come from the heap, and are reused there once freed: every message
+# gRPC carries (at most 4 MiB) and the buffers a call builds around it. Larger ones are
+# mapped for themselves and given back to the kernel when freed, as before.
+MMAP_THRESHOLD_BYTES = 4 << 20
+# The heap gives memory back to the kernel only when this much lies free at its top.
+TRIM_THRESHOLD_BYTES = 32 << 20
 
 
-def use_one_malloc_arena() -> bool:
-    """Have glibc's malloc serve every thread from one arena; False where it is not glibc.
+def tune_malloc() -> bool:
+    """Have glibc's malloc serve every thread from one arena, and keep freed message-sized
+    blocks for reuse; False where it is not glibc.
 
-    By default each thread that contends for malloc gets an arena of its own, up to 8 per
-    core. A server's gRPC handler threads take turns receiving multi-MiB messages and
-    building push buffers, so a buffer freed in one thread's arena is not reused by the next
-    thread, which faults in fresh pages instead. In two alternating W2 runs over gRPC, one
-    arena took the server's peak RSS above idle from 3.4x and 4.5x the values to 2.7x and
-    2.4x, and round trips were no slower. The handlers hold the GIL around most allocations
-    anyway, and W4's latency did not move. Called
-    by the ps-server command only, never by in-process servers: an embedding application's
-    allocator is its own business.
+    One arena: by default each thread that contends for malloc gets an arena of its own, up
+    to 8 per core. A server's gRPC handler threads take turns receiving multi-MiB messages
+    and building push buffers, so a buffer freed in one thread's arena is not reused by the
+    next thread, which faults in fresh pages instead. In two alternating W2 runs over gRPC,
+    one arena took the server's peak RSS above idle from 3.4x and 4.5x the values to 2.7x
+    and 2.4x, and round trips were no slower. The handlers hold the GIL around most
+    allocations anyway, and W4's latency did not move.
+
+    Reuse: left to itself, glibc gives the top of its heap back to the kernel whenever twice
+    the largest block freed so far lies free there. A call that carries 1.6 MiB each way
+    frees more than that, so every call gave its pages back and faulted them in again: 1,200
+    to 1,360 minor faults a call, and 2.5x the server CPU of the same call with the
+    thresholds fixed here (benchmarks/RESULTS.md, W1 over gRPC). Peak RSS is what the heap held at its
+    fullest either way; only the memory given back between calls changes.
+
+    Called by the ps-server command only, never by in-process servers: an embedding
+    application's allocator is its own business.
     """
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_ARENA_MAX, 1))
+    # Fixing either threshold turns glibc's own adjustment of both off: both are set.
+    return all([bool(mallopt(_M_ARENA_MAX, 1)),
+                bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)),
+                bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))])
