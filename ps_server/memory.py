@@ -80,10 +80,11 @@ def tune_malloc() -> bool:
 
     Reuse: left to itself, glibc gives the top of its heap back to the kernel whenever twice
     the largest block freed so far lies free there. A call that carries 1.6 MiB each way
-    frees more than that, so every call gave its pages back and faulted them in again: 1,200
-    to 1,360 minor faults a call, and 2.5x the server CPU of the same call with the
-    thresholds fixed here (benchmarks/RESULTS.md, W1 over gRPC). Peak RSS is what the heap held at its
-    fullest either way; only the memory given back between calls changes.
+    frees more than that, so every call gave its pages back and faulted them in again: on
+    W1 over gRPC a server took 439 minor faults and 2.96 ms of CPU a step, 3.4 and 1.96 ms
+    with the thresholds fixed here (benchmarks/RESULTS.md, "W1 over gRPC: one call a step").
+    Peak RSS is what the heap held at its fullest either way; only the memory given back
+    between calls changes.
 
     Called by the ps-server command only, never by in-process servers: an embedding
     application's allocator is its own business.
