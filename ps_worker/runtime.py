@@ -269,7 +269,15 @@ class Trainer:
                 upcoming_rows.wait()
                 break
             waiting = time.monotonic() if observer is not None else 0.0
-            host = values.pop(step).result()
+            try:
+                host = values.pop(step).result()
+            except BaseException:
+                # The push that was to bring these values failed: leave no pull writing into
+                # a buffer, and raise as flush does (which also settles the push's error).
+                futures_wait(list(values.values()))
+                upcoming_rows.wait()
+                ps.flush()
+                raise
             pulled = upcoming_rows
             if observer is not None:
                 pulled.wait()

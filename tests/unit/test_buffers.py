@@ -32,14 +32,18 @@ def test_idle_buffers_beyond_the_cap_are_dropped():
     assert pool.acquire(800) is kept
 
 
-def _faults_in_a_child(tune: bool) -> int:
-    """Minor page faults of 100 rounds of a server call's allocations (a 1.6 MiB message
-    received, one built and sent, a gradient-sized temporary), in a child process: the
-    setting is process-wide and must not leak into the tests."""
-    code = f"""
+def test_ps_server_has_glibc_keep_freed_blocks_for_reuse():
+    """In a child process (the setting is process-wide and must not leak into the tests):
+    100 rounds of a server call's allocations (2 MiB messages received and sent, a
+    temporary as large) fault in fewer pages in all than one message has (512): freed blocks
+    were reused, not given back to the kernel and faulted in again (untuned, glibc faults
+    every page of them in every round)."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    code = """
 import resource
 from ps_server.memory import tune_malloc
-assert {tune} is False or tune_malloc()
+assert tune_malloc()
 def call():
     received, answer, temporary = bytearray(1 << 21), bytearray(1 << 21), bytearray(1 << 21)
 for _ in range(5):
@@ -52,12 +56,4 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
-    return int(done.stdout)
-
-
-def test_ps_server_has_glibc_keep_message_sized_blocks_for_reuse():
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("mallopt is glibc's")
-    # Fewer faults in all 100 rounds than the pages of one message (512): freed blocks were
-    # reused, not given back to the kernel and faulted in again.
-    assert _faults_in_a_child(tune=True) < 512
+    assert int(done.stdout) < 512

@@ -378,3 +378,27 @@ def test_a_stop_mid_task_waits_for_the_values_still_in_flight(monkeypatch) -> No
     # Steps 0, 1 and 2 pushed with the values of steps 2, 3 and 4; 3 and 4 never ran.
     assert len(in_flight) == 3 and all(f.done() for f in in_flight)
     assert in_flight[1] in waited and in_flight[2] in waited
+
+
+def test_a_failed_push_is_raised_when_its_values_are_needed_after_a_flush() -> None:
+    """Flushed: no pull still writes into a buffer, and the client holds the error no more
+    (PSClient.close would raise it again)."""
+    trainer, ps, _ = dense_trainer()
+    push_pull_async = ps.push_pull_async
+    refused = RuntimeError("refused")
+
+    def failing_second(grads, names, *, out=None, wire_dtype=None):
+        finished = push_pull_async(grads, names, out=out)
+        if len(ps.of("push_pull")) != 2:
+            return finished
+        failed: Future = Future()
+        failed.set_exception(refused)
+        return failed
+
+    ps.push_pull_async = failing_second
+    with pytest.raises(RuntimeError) as caught:
+        trainer.train(ps, task(0), should_stop=lambda: False)
+    assert caught.value is refused
+    # Step 1's push failed; step 3, which needed its values, flushed and raised.
+    assert [c[0] for c in ps.calls] == ["pull", "pull", "push_pull", "push_pull",
+                                        "push_pull", "flush"]
