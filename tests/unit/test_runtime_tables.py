@@ -290,14 +290,14 @@ class SteppedFakePS(FakePS):
 
     def __init__(self, lr: float):
         super().__init__(lr=lr)
-        self.buffers: list[tuple[str, int]] = []  # (method, id of the buffer set filled)
+        self.buffers: list[int] = []  # the id of the buffer set each call fills
 
     def pull_async(self, names, *, out=None, wire_dtype=None):
-        self.buffers.append(("pull", id(out[names[0]])))
+        self.buffers.append(id(out[names[0]]))
         return super().pull_async(names, out=out)
 
     def push_pull_async(self, grads, names, *, out=None, wire_dtype=None):
-        self.buffers.append(("push_pull", id(out[names[0]])))
+        self.buffers.append(id(out[names[0]]))
         return super().push_pull_async(grads, names, out=out)
 
     def join_steps(self, mode):
@@ -323,7 +323,7 @@ def test_in_async_a_steps_push_brings_back_the_values_of_the_step_after_next() -
     assert [c[0] for c in ps.calls] == (["pull"] * 2 + ["push_pull"] * (steps - 2)
                                         + ["push"] * 2 + ["flush"])
     # Step i + 2's values land in the buffers that step i read, once it is done with them.
-    filled = [buffer for _, buffer in ps.buffers]
+    filled = ps.buffers
     assert filled[0] != filled[1] and filled == [filled[i % 2] for i in range(steps)]
     # Every step but the first two computes with the values after step i - 2's push.
     for i in range(2, steps):
@@ -337,8 +337,25 @@ def test_in_ssp_a_steps_push_brings_back_the_values_of_the_next_step() -> None:
     trainer.train(ps, task(0), should_stop=lambda: False)
     assert [c[0] for c in ps.calls] == (["join_steps", "pull"] + ["push_pull"] * (steps - 1)
                                         + ["push", "flush", "leave_steps"])
-    filled = [buffer for _, buffer in ps.buffers]
+    filled = ps.buffers
     assert filled == [filled[i % 2] for i in range(steps)] and filled[0] != filled[1]
+
+
+class ArrivesWhenAwaited(Future):
+    """The values of a push_pull still in flight: they arrive when the trainer asks for
+    them (result) or waits for them (see the test below), never on their own."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def arrive(self) -> None:
+        if not self.done():
+            self.set_result(self.values)
+
+    def result(self, timeout=None):
+        self.arrive()
+        return super().result(timeout)
 
 
 def test_a_stop_mid_task_waits_for_the_values_still_in_flight(monkeypatch) -> None:
@@ -346,12 +363,11 @@ def test_a_stop_mid_task_waits_for_the_values_still_in_flight(monkeypatch) -> No
     import ps_worker.runtime as runtime
 
     trainer, ps, _ = dense_trainer()
-    in_flight: list[Future] = []
+    in_flight: list[ArrivesWhenAwaited] = []
     push_pull_async = ps.push_pull_async
 
     def unfinished(grads, names, *, out=None, wire_dtype=None):
-        in_flight.append(Future())  # its values are not back yet
-        in_flight[-1].values = push_pull_async(grads, names, out=out).result()
+        in_flight.append(ArrivesWhenAwaited(push_pull_async(grads, names, out=out).result()))
         return in_flight[-1]
 
     waited: list[Future] = []
@@ -359,19 +375,11 @@ def test_a_stop_mid_task_waits_for_the_values_still_in_flight(monkeypatch) -> No
     def waiting(fs, *args, **kwargs):
         for future in fs:
             waited.append(future)
-            if not future.done():
-                future.set_result(future.values)  # they arrive while the trainer waits
+            future.arrive()
         return futures_wait(fs, *args, **kwargs)
-
-    # Step 1 needs the values of step 0's push, which the fake finishes when asked for.
-    def result_of(future, result=Future.result):
-        if not future.done():
-            future.set_result(future.values)
-        return result(future)
 
     monkeypatch.setattr(ps, "push_pull_async", unfinished)
     monkeypatch.setattr(runtime, "futures_wait", waiting)
-    monkeypatch.setattr(Future, "result", result_of)
     steps = iter(range(100))
     result = trainer.train(ps, task(0), should_stop=lambda: next(steps) >= 3)
     assert result.steps == 3 and ps.calls[-1][0] == "flush"
