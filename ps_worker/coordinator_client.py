@@ -66,7 +66,8 @@ class CoordinatorClient:
     """Thread-safe (one channel, stateless calls).
 
     `stop`: once set, a call that is retrying gives up at once with RemoteError CANCELLED
-    (e.g. a worker on SIGTERM does not wait out `give_up_after_s` of an absent coordinator).
+    (e.g. a worker on SIGTERM does not wait out `give_up_after_s` of an absent coordinator),
+    and so does a lease waiting for a task once `interrupt_waits()` is called.
     """
 
     def __init__(self, address: str, *, give_up_after_s: float = 30.0, rpc_timeout_s: float = 10.0,
@@ -81,17 +82,24 @@ class CoordinatorClient:
         # ~give_up_after_s of jittered backoff capped at 1 s per try.
         self._retry = RetryPolicy(max_attempts=max(2, int(give_up_after_s / 0.75) + 1),
                                   initial_backoff_s=0.1, max_backoff_s=1.0)
+        self._waits_lock = threading.Lock()
+        self._waits: set[grpc.Future] = set()
 
-    def _call(self, method: str, request):
+    def _call(self, method: str, request, *, wait_s: float = 0.0):
+        """`wait_s`: the coordinator may hold the call this long before it answers (a lease
+        waiting for a task): added to its deadline, and the call is one that
+        `interrupt_waits` cancels."""
         rpc = getattr(self._stub, method)
-        give_up_at = time.monotonic() + self._give_up_after_s
+        give_up_at = time.monotonic() + self._give_up_after_s + wait_s
 
         def attempt():
             # A hung coordinator must not hold a call past give_up_after_s either.
             remaining = give_up_at - time.monotonic()
             if remaining <= 0:
                 raise RemoteError(grpc.StatusCode.DEADLINE_EXCEEDED, "gave up", target=self.address)
-            return rpc(request, timeout=min(self._timeout, remaining))
+            timeout = min(self._timeout + wait_s, remaining)
+            return rpc(request, timeout=timeout) if not wait_s else self._waiting(
+                rpc.future(request, timeout=timeout))
 
         try:
             return call_with_retry(attempt, target=self.address, policy=self._retry,
@@ -100,6 +108,28 @@ class CoordinatorClient:
             if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CoordinatorUnreachable(self.address, self._give_up_after_s, error) from None
             raise
+
+    def _waiting(self, future: grpc.Future):
+        with self._waits_lock:
+            self._waits.add(future)
+        try:
+            if self._stop is not None and self._stop.is_set():
+                future.cancel()  # a stop that came before the call was registered
+            return future.result()
+        except grpc.FutureCancelledError:
+            raise RemoteError(grpc.StatusCode.CANCELLED, "stopped while waiting for a task",
+                              target=self.address) from None
+        finally:
+            with self._waits_lock:
+                self._waits.discard(future)
+
+    def interrupt_waits(self) -> None:
+        """Cancel the calls waiting for the coordinator (a lease waiting for a task): they
+        raise RemoteError CANCELLED. Other calls run on, bounded by their deadlines."""
+        with self._waits_lock:
+            waits = list(self._waits)
+        for future in waits:
+            future.cancel()
 
     def close(self) -> None:
         self._channel.close()
@@ -123,10 +153,15 @@ class CoordinatorClient:
             step_report=_step_report(step_stats)))
         return _ACTIONS.get(reply.action, "continue")
 
-    def lease(self, worker_id: str, incarnation: int):
-        """('task', LeasedTask) | ('wait', seconds) | ('done', None) | ('reregister', None)."""
+    def lease(self, worker_id: str, incarnation: int, *, wait_s: float = 0.0):
+        """('task', LeasedTask) | ('wait', seconds) | ('done', None) | ('reregister', None).
+
+        `wait_s`: when no task is pending, the coordinator may hold the call up to this long
+        (it bounds it too) and answer as soon as one is: a task is started the moment it is
+        pending, not at the next poll. ('wait', 0.0) then means ask again at once."""
         reply = self._call("LeaseTask", pb.LeaseTaskRequest(
-            worker_id=worker_id, incarnation=incarnation))
+            worker_id=worker_id, incarnation=incarnation, wait_ms=round(wait_s * 1000)),
+            wait_s=wait_s)
         if reply.reregister:
             return "reregister", None
         outcome = reply.WhichOneof("outcome")

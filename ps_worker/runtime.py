@@ -49,6 +49,9 @@ log = logging.getLogger("ps-worker")
 # line: the coordinator decides when the job gives up on the server (--server-timeout; the
 # heartbeat then answers STOP), and SIGTERM ends the wait too (both interrupt the PSClient).
 SERVER_OUTAGE_RETRY = RetryPolicy(max_attempts=None, initial_backoff_s=0.05, max_backoff_s=2.0)
+# With nothing to run (the epoch's last tasks run elsewhere), a worker's lease waits at the
+# coordinator up to this long for a task, and starts it the moment it is pending.
+LEASE_WAIT_S = 1.0
 
 
 class JobCannotRun(ValueError):
@@ -436,6 +439,7 @@ class Worker:
     def request_stop(self) -> None:
         self._stop.set()
         self._interrupt_client()
+        self._coordinator.interrupt_waits()
 
     def _watch_client(self, ps: PSClient) -> None:
         """Make `ps` the client that a stop, a fence or the job's end interrupts (at once if
@@ -532,7 +536,8 @@ class Worker:
                     return
                 if self._fenced.is_set():
                     raise Fenced()
-                outcome, task = self._coordinator.lease(self.worker_id, self._incarnation)
+                outcome, task = self._coordinator.lease(self.worker_id, self._incarnation,
+                                                        wait_s=LEASE_WAIT_S)
                 if outcome == "done":
                     log.info("the job is over")
                     return

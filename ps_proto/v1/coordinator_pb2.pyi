@@ -622,17 +622,25 @@ class LeaseTaskRequest(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
+    wait_ms: _builtins.int
+    """When no task is pending: how long the caller will wait for one. The coordinator holds
+    the call until a task is pending, the job ends, the caller is fenced or this much time
+    has passed (at most its own bound, and not at all while it already holds many such
+    calls), and then answers as it would at once. 0: answer at once.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
+        wait_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -647,7 +655,9 @@ class LeaseTaskReply(_message.Message):
     JOB_DONE_FIELD_NUMBER: _builtins.int
     REREGISTER_FIELD_NUMBER: _builtins.int
     retry_after_ms: _builtins.int
-    """Nothing to hand out now (the epoch's last tasks are still running): ask again later."""
+    """Nothing to hand out now (the epoch's last tasks are still running): ask again after
+    this many milliseconds (0 when the call waited: ask again now).
+    """
     job_done: _builtins.bool
     """The job is over: exit 0."""
     reregister: _builtins.bool

@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "ps.v1.Coordinator"
 STATE_FILE = "coordinator-state.json"
 STATE_SAVE_INTERVAL_S = 0.5
+# Each call in progress holds a handler thread. Workers with nothing to do wait for a task
+# inside LeaseTask (so they start the moment one is pending, not when their next poll comes),
+# at most MAX_WAITING_LEASES of them at once: the other threads stay free for heartbeats,
+# completions and clients. Workers beyond that poll, as every worker did before.
+HANDLER_THREADS = 16
+MAX_WAITING_LEASES = 8
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,8 @@ class Coordinator:
         self.runner = JobRunner(config.job, self._clock,
                                 heartbeat_timeout_s=config.heartbeat_timeout_s,
                                 incarnations=incarnations, on_worker_gone=retired.append,
-                                on_epoch_evaluated=self._log_epoch)
+                                on_epoch_evaluated=self._log_epoch,
+                                max_waiting_leases=MAX_WAITING_LEASES)
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint_dir is not None:
             config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -171,7 +178,7 @@ class Coordinator:
                 add_servicers=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
                     servicer, s),
                 interceptors=interceptors, token=config.token, tls=config.tls,
-                metrics=self.metrics,
+                metrics=self.metrics, max_workers=HANDLER_THREADS,
             )
         except BaseException:  # e.g. the port is taken: free the metrics port too
             if self.metrics is not None:
@@ -326,6 +333,7 @@ class Coordinator:
 
     def stop(self, grace_s: float | None = None) -> None:
         self._stopping.set()
+        self.runner.stop_waiting()  # before the drain, which would wait for them
         if self.checkpointer is not None:
             self.checkpointer.close()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)

@@ -173,6 +173,10 @@ class JobRunner:
 
     Dead and done workers are forgotten `forget_after_s` (default max(60, 6 x
     heartbeat_timeout_s)) after they stopped being live.
+
+    A lease may wait for a task (`lease(..., wait_s=)`): at most `max_waiting_leases` at
+    once, since each holds the caller's thread (an RPC handler's); past that, and after
+    `stop_waiting()`, leases answer at once.
     """
 
     def __init__(self, job: JobSpec | None, clock: Clock, *, heartbeat_timeout_s: float,
@@ -180,7 +184,8 @@ class JobRunner:
                  incarnations: Callable[[], int] | None = None,
                  on_worker_gone: Callable[[str, int], None] | None = None,
                  forget_after_s: float | None = None,
-                 on_epoch_evaluated: Callable[[EpochSummary, int], None] | None = None):
+                 on_epoch_evaluated: Callable[[EpochSummary, int], None] | None = None,
+                 max_waiting_leases: int = 0):
         if incarnations is not None and first_incarnation is not None:
             raise ValueError("give JobRunner either incarnations or first_incarnation, not both")
         if forget_after_s is None:
@@ -194,6 +199,12 @@ class JobRunner:
         self._on_worker_gone = on_worker_gone
         self._on_epoch_evaluated = on_epoch_evaluated
         self._lock = threading.Lock()
+        # Waiting leases sleep on it; every public method wakes them as it lets go of the
+        # lock, since any change may have made a task pending or a waiting caller moot.
+        self._changed = threading.Condition(self._lock)
+        self._max_waiting = max_waiting_leases
+        self._waiting = 0
+        self._waits_stopped = False
         self._workers: dict[str, Worker] = {}
         self._alive = 0
         # (deadline, sequence, worker) heaps; `sequence` breaks ties so that Workers are never
@@ -249,6 +260,7 @@ class JobRunner:
                     self._reap()
                     yield
                 finally:
+                    self._changed.notify_all()
                     gone, self._gone = self._gone, []
                     evaluated, self._evaluated = self._evaluated, []
         finally:
@@ -421,30 +433,75 @@ class JobRunner:
                 return "stop"
             return "continue"
 
-    def lease(self, worker_id: str, incarnation: int) -> tuple[str, Task | None]:
-        """('task', task) | ('wait', None) | ('done', None) | ('reregister', None)."""
-        now = self._clock.monotonic()
+    def lease(self, worker_id: str, incarnation: int, wait_s: float = 0.0, *,
+              abandoned: Callable[[], bool] = lambda: False) -> tuple[str, Task | float | None]:
+        """('task', task) | ('wait', None) | ('wait', 0.0) | ('done', None) |
+        ('reregister', None).
+
+        When no task is pending, the call waits up to `wait_s` seconds (real time, whatever
+        the runner's clock) for one, for the job to end or for this incarnation to be
+        fenced, and answers as it would then. ('wait', 0.0): it waited `wait_s` in full, so
+        the caller may ask again at once; ('wait', None): it did not wait (`wait_s` 0, too
+        many leases waiting already, or `stop_waiting()`), so the caller should pause first.
+        A wait also ends, with ('wait', None), once `abandoned()` says the caller is gone
+        (checked whenever the wait is woken: see `wake_waiting`).
+        """
+        give_up_at = time.monotonic() + wait_s
+        waited = False
         with self._locked():
-            worker = self._current(worker_id, incarnation)
-            if worker is None:
-                return "reregister", None
-            worker.last_heartbeat = now
-            if self.state is not JobState.RUNNING:
-                self._leave(worker, WorkerState.DONE, now)
-                return "done", None
-            # A resumed task its old holder reported done stays in the heap (and may even
-            # have been dropped with its epoch since): skipped.
-            while self._pending and getattr(self._tasks.get(self._pending[0][1]), "state",
-                                            None) is not TaskState.PENDING:
-                heapq.heappop(self._pending)
-            if not self._pending:
-                return "wait", None
+            while True:
+                now = self._clock.monotonic()
+                worker = self._current(worker_id, incarnation)
+                if worker is None:
+                    return "reregister", None
+                worker.last_heartbeat = now
+                if self.state is not JobState.RUNNING:
+                    self._leave(worker, WorkerState.DONE, now)
+                    return "done", None
+                # A resumed task its old holder reported done stays in the heap (and may
+                # even have been dropped with its epoch since): skipped.
+                while self._pending and getattr(self._tasks.get(self._pending[0][1]), "state",
+                                                None) is not TaskState.PENDING:
+                    heapq.heappop(self._pending)
+                if self._pending:
+                    break
+                remaining = give_up_at - time.monotonic()
+                if self._waits_stopped or (not waited and self._waiting >= self._max_waiting):
+                    return "wait", None
+                if waited and abandoned():
+                    return "wait", None
+                if remaining <= 0:
+                    return "wait", (0.0 if waited else None)
+                waited = True
+                self._waiting += 1
+                try:
+                    self._changed.wait(remaining)
+                finally:
+                    self._waiting -= 1
             _, task_id = heapq.heappop(self._pending)
             task = self._tasks[task_id]
             task.state, task.holder = TaskState.LEASED, (worker_id, incarnation)
             task.attempts += 1
             worker.leased.add(task_id)
             return "task", task
+
+    @property
+    def waiting_leases(self) -> int:
+        """How many leases are waiting for a task now."""
+        with self._lock:
+            return self._waiting
+
+    def wake_waiting(self) -> None:
+        """Have every waiting lease look again (e.g. whether its caller is gone)."""
+        with self._lock:
+            self._changed.notify_all()
+
+    def stop_waiting(self) -> None:
+        """Wake every waiting lease (each answers as if its wait had run out) and answer
+        every later lease at once: the coordinator is stopping."""
+        with self._lock:
+            self._waits_stopped = True
+            self._changed.notify_all()
 
     def complete(self, worker_id: str, incarnation: int, task_id: int, metrics: Metrics,
                  data_path: str = "", steps: StepReport | None = None) -> bool:

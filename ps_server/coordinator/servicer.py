@@ -14,6 +14,9 @@ from ps_server.coordinator.placement import server_loads
 from ps_server.coordinator.state import CoordinatorState, HeldReport, ServerReport
 
 _ACTIONS = {"continue": pb.CONTINUE, "reregister": pb.REREGISTER, "stop": pb.STOP}
+# The longest a LeaseTask waits for a task, whatever its wait_ms: a worker that waits asks
+# again at least this often.
+MAX_LEASE_WAIT_MS = 5_000
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -144,7 +147,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def LeaseTask(self, request, context):
         with translate_errors(context, "LeaseTask"):
-            outcome, task = self._runner.lease(request.worker_id, request.incarnation)
+            if request.wait_ms < 0:
+                raise InvalidArgument(f"LeaseTask wait_ms {request.wait_ms} must be >= 0")
+            wait_s = min(request.wait_ms, MAX_LEASE_WAIT_MS) / 1000
+            if wait_s:
+                # A caller that hangs up (a stopping worker) frees its thread at once.
+                context.add_callback(self._runner.wake_waiting)
+            outcome, task = self._runner.lease(request.worker_id, request.incarnation, wait_s,
+                                               abandoned=lambda: not context.is_active())
             if outcome == "task":
                 # Saved before the worker hears it, like a completion: a restarted
                 # coordinator then still takes this worker's report of it.
@@ -155,7 +165,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     epoch=task.epoch, index=task.index,
                     tasks_per_epoch=self._runner.job.tasks_per_epoch))
             if outcome == "wait":
-                return pb.LeaseTaskReply(retry_after_ms=min(200, self._heartbeat_interval_ms))
+                return pb.LeaseTaskReply(retry_after_ms=(
+                    min(200, self._heartbeat_interval_ms) if task is None else 0))
             if outcome == "done":
                 return pb.LeaseTaskReply(job_done=True)
             return pb.LeaseTaskReply(reregister=True)

@@ -1,0 +1,115 @@
+"""LeaseTask with wait_ms, over gRPC: a worker with nothing to run waits at the coordinator,
+gets its task the moment it is pending, and a stopping worker or coordinator ends the wait."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from ps_common.job import JobSpec
+from ps_common.rpc import make_channel
+from ps_common.status import RemoteError
+from ps_proto.v1 import coordinator_pb2 as pb
+from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from ps_server.coordinator.app import Coordinator, CoordinatorConfig
+from ps_server.testing import wait_until
+from ps_worker.coordinator_client import CoordinatorClient
+
+LONG_S = 60.0  # a wait that must end by an event, long before this
+BOUND_S = 30.0
+
+
+@pytest.fixture
+def coordinator():
+    config = CoordinatorConfig(job=JobSpec(epochs=2, tasks_per_epoch=1), keep_serving=True,
+                               heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, grace_s=5.0,
+                               recovery_grace_s=0.0)
+    with Coordinator(config) as started:
+        yield started
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        yield executor
+
+
+def start_waiting(pool, coordinator, client: CoordinatorClient, worker: str, incarnation: int):
+    future = pool.submit(client.lease, worker, incarnation, wait_s=LONG_S)
+    wait_until(lambda: coordinator.runner.waiting_leases == 1 or future.done(),
+               "the lease to wait at the coordinator", timeout_s=BOUND_S)
+    assert not future.done(), future.result()
+    return future
+
+
+def test_a_waiting_worker_gets_the_task_as_soon_as_it_is_pending(coordinator, pool):
+    with CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
+        w0 = client.register_worker("w0").incarnation
+        w1 = client.register_worker("w1").incarnation
+        outcome, train = client.lease("w0", w0)
+        assert outcome == "task"
+        waiting = start_waiting(pool, coordinator, client, "w1", w1)
+        client.complete("w0", w0, train.task_id, loss_sum=1.0, examples=4, correct=2, steps=1,
+                        seconds=0.1)
+        outcome, task = waiting.result(timeout=BOUND_S)
+        assert outcome == "task" and (task.kind, task.epoch) == ("evaluate", 1)
+
+
+def test_a_wait_that_runs_out_says_ask_again_now(coordinator):
+    with CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
+        w0 = client.register_worker("w0").incarnation
+        w1 = client.register_worker("w1").incarnation
+        client.lease("w0", w0)
+        assert client.lease("w1", w1, wait_s=0.01) == ("wait", 0.0)
+        outcome, pause = client.lease("w1", w1)
+        assert outcome == "wait" and pause > 0  # asked not to wait: told to pause
+
+
+def test_interrupt_waits_cancels_a_waiting_lease_and_frees_the_coordinator(coordinator, pool):
+    with CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
+        w0 = client.register_worker("w0").incarnation
+        w1 = client.register_worker("w1").incarnation
+        client.lease("w0", w0)
+        waiting = start_waiting(pool, coordinator, client, "w1", w1)
+        client.interrupt_waits()
+        with pytest.raises(RemoteError) as raised:
+            waiting.result(timeout=BOUND_S)
+        assert raised.value.code() == grpc.StatusCode.CANCELLED
+        # The coordinator's side of the call ends too: its thread is not held for LONG_S.
+        wait_until(lambda: coordinator.runner.waiting_leases == 0,
+                   "the coordinator to drop the abandoned wait", timeout_s=BOUND_S)
+
+
+def test_a_stopping_coordinator_answers_its_waiting_leases(pool):
+    config = CoordinatorConfig(job=JobSpec(epochs=2, tasks_per_epoch=1), keep_serving=True,
+                               heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0,
+                               grace_s=LONG_S, recovery_grace_s=0.0)
+    coordinator = Coordinator(config).start()
+    try:
+        with CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
+            w0 = client.register_worker("w0").incarnation
+            w1 = client.register_worker("w1").incarnation
+            client.lease("w0", w0)
+            waiting = start_waiting(pool, coordinator, client, "w1", w1)
+            stopped = threading.Thread(target=coordinator.stop)
+            stopped.start()
+            # Answered, not cut off: the drain would otherwise wait the whole LONG_S grace.
+            outcome, pause = waiting.result(timeout=BOUND_S)
+            assert outcome == "wait" and pause > 0
+            stopped.join(timeout=BOUND_S)
+            assert not stopped.is_alive()
+    finally:
+        coordinator.stop(0)
+
+
+def test_a_negative_wait_is_refused(coordinator):
+    with make_channel(coordinator.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.LeaseTask(pb.LeaseTaskRequest(worker_id="w0", incarnation=1, wait_ms=-1),
+                           timeout=BOUND_S)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "wait_ms" in raised.value.details()

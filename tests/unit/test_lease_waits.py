@@ -1,0 +1,115 @@
+"""JobRunner.lease(wait_s=): a worker with nothing to run waits at the coordinator and gets
+a task the moment one is pending, instead of polling."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from ps_common.clock import FakeClock
+from ps_common.job import JobSpec
+from ps_server.coordinator.jobs import JobRunner, Metrics
+from ps_server.testing import wait_until
+
+TRAIN = Metrics(loss_sum=2.0, examples=4, correct=3, steps=1, seconds=0.1)
+EVAL = Metrics(loss_sum=1.0, examples=10, correct=9, steps=0, seconds=0.1)
+LONG_S = 60.0  # a wait that must end by an event, long before this
+BOUND_S = 30.0  # every join and result is bounded
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(max_workers=4) as executor:
+        yield executor
+
+
+def make_runner(*, epochs: int = 2, tasks_per_epoch: int = 1,
+                max_waiting: int = 4) -> JobRunner:
+    return JobRunner(JobSpec(epochs=epochs, tasks_per_epoch=tasks_per_epoch), FakeClock(),
+                     heartbeat_timeout_s=10.0, max_waiting_leases=max_waiting)
+
+
+def waiting_lease(pool, runner: JobRunner, worker_id: str, incarnation: int,
+                  waiting_before: int = 0):
+    """A lease with a long wait, started in `pool`; returns once it is waiting."""
+    future = pool.submit(runner.lease, worker_id, incarnation, LONG_S)
+    wait_until(lambda: runner.waiting_leases == waiting_before + 1 or future.done(),
+               "the lease to wait", timeout_s=BOUND_S)
+    assert not future.done(), future.result()
+    return future
+
+
+def test_a_waiting_lease_gets_the_task_that_becomes_pending():
+    runner = make_runner()
+    w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
+    train = runner.lease("w0", w0)[1]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = waiting_lease(pool, runner, "w1", w1)
+        runner.complete("w0", w0, train.task_id, TRAIN)  # the epoch's evaluation is pending
+        outcome, task = waiting.result(timeout=BOUND_S)
+    assert outcome == "task" and (task.kind, task.epoch, task.holder) == ("evaluate", 1,
+                                                                           ("w1", w1))
+    assert runner.waiting_leases == 0
+
+
+def test_a_wait_that_runs_out_says_ask_again_now():
+    runner = make_runner()
+    w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
+    runner.lease("w0", w0)
+    assert runner.lease("w1", w1, 0.01) == ("wait", 0.0)
+    assert runner.lease("w1", w1) == ("wait", None)  # no wait asked: pause before asking
+
+
+def test_waits_past_the_bound_answer_at_once(pool):
+    runner = make_runner(max_waiting=1)
+    w0, w1, w2 = (runner.register_worker(w) for w in ("w0", "w1", "w2"))
+    runner.lease("w0", w0)
+    first = waiting_lease(pool, runner, "w1", w1)
+    assert runner.lease("w2", w2, LONG_S) == ("wait", None)
+    runner.stop_waiting()
+    assert first.result(timeout=BOUND_S) == ("wait", None)
+
+
+def test_a_fenced_incarnation_stops_waiting_and_is_told_to_register(pool):
+    runner = make_runner()
+    w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
+    runner.lease("w0", w0)
+    waiting = waiting_lease(pool, runner, "w1", w1)
+    runner.register_worker("w1")  # a new incarnation fences the waiting one
+    assert waiting.result(timeout=BOUND_S) == ("reregister", None)
+
+
+def test_the_job_ending_ends_the_wait(pool):
+    runner = make_runner(epochs=1)
+    w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
+    runner.complete("w0", w0, runner.lease("w0", w0)[1].task_id, TRAIN)
+    evaluation = runner.lease("w0", w0)[1]
+    waiting = waiting_lease(pool, runner, "w1", w1)
+    runner.complete("w0", w0, evaluation.task_id, EVAL)  # the last epoch's evaluation
+    assert waiting.result(timeout=BOUND_S) == ("done", None)
+
+
+def test_stop_waiting_wakes_every_wait_and_later_leases_do_not_wait(pool):
+    runner = make_runner()
+    w0, w1, w2 = (runner.register_worker(w) for w in ("w0", "w1", "w2"))
+    runner.lease("w0", w0)
+    waits = [waiting_lease(pool, runner, "w1", w1),
+             waiting_lease(pool, runner, "w2", w2, waiting_before=1)]
+    runner.stop_waiting()
+    assert [w.result(timeout=BOUND_S) for w in waits] == [("wait", None)] * 2
+    assert runner.lease("w1", w1, LONG_S) == ("wait", None)
+
+
+def test_an_abandoned_wait_ends_when_woken(pool):
+    runner = make_runner()
+    w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
+    runner.lease("w0", w0)
+    gone = threading.Event()
+    waiting = pool.submit(runner.lease, "w1", w1, LONG_S, abandoned=gone.is_set)
+    wait_until(lambda: runner.waiting_leases == 1, "the lease to wait", timeout_s=BOUND_S)
+    gone.set()
+    runner.wake_waiting()
+    assert waiting.result(timeout=BOUND_S) == ("wait", None)
+    assert runner.waiting_leases == 0
