@@ -131,6 +131,10 @@ class CoordinatorCollector:
         yield GaugeMetricFamily(_name("job_epoch"), "The epoch being trained (1-based)",
                                 value=snap["epoch"])
         yield GaugeMetricFamily(_name("job_epochs"), "Epochs of the job", value=snap["epochs"])
+        yield GaugeMetricFamily(
+            _name("job_waiting_leases"), "Workers waiting at the coordinator for a task to run "
+            "(idle: the epoch's last tasks, or its evaluation, run elsewhere)",
+            value=coordinator.runner.waiting_leases)
         yield CounterMetricFamily(_name("job_steps"), "Training steps of the job's tasks "
                                   "done", value=snap["steps"])
         elapsed = snap["elapsed_s"]

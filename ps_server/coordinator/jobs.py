@@ -205,6 +205,7 @@ class JobRunner:
         self._max_waiting = max_waiting_leases
         self._waiting = 0
         self._waits_stopped = False
+        self._changes = 0  # counts the times a public method let go of the lock
         self._workers: dict[str, Worker] = {}
         self._alive = 0
         # (deadline, sequence, worker) heaps; `sequence` breaks ties so that Workers are never
@@ -260,6 +261,7 @@ class JobRunner:
                     self._reap()
                     yield
                 finally:
+                    self._changes += 1
                     self._changed.notify_all()
                     gone, self._gone = self._gone, []
                     evaluated, self._evaluated = self._evaluated, []
@@ -448,8 +450,8 @@ class JobRunner:
         """
         give_up_at = time.monotonic() + wait_s
         waited = False
-        with self._locked():
-            while True:
+        while True:
+            with self._locked():
                 now = self._clock.monotonic()
                 worker = self._current(worker_id, incarnation)
                 if worker is None:
@@ -458,32 +460,42 @@ class JobRunner:
                 if self.state is not JobState.RUNNING:
                     self._leave(worker, WorkerState.DONE, now)
                     return "done", None
+                if waited and abandoned():  # before a task goes to a caller that hung up
+                    return "wait", None
                 # A resumed task its old holder reported done stays in the heap (and may
                 # even have been dropped with its epoch since): skipped.
                 while self._pending and getattr(self._tasks.get(self._pending[0][1]), "state",
                                                 None) is not TaskState.PENDING:
                     heapq.heappop(self._pending)
                 if self._pending:
-                    break
-                remaining = give_up_at - time.monotonic()
+                    _, task_id = heapq.heappop(self._pending)
+                    task = self._tasks[task_id]
+                    task.state, task.holder = TaskState.LEASED, (worker_id, incarnation)
+                    task.attempts += 1
+                    worker.leased.add(task_id)
+                    return "task", task
                 if self._waits_stopped or (not waited and self._waiting >= self._max_waiting):
                     return "wait", None
-                if waited and abandoned():
-                    return "wait", None
-                if remaining <= 0:
+                if give_up_at - time.monotonic() <= 0:
                     return "wait", (0.0 if waited else None)
                 waited = True
                 self._waiting += 1
+                # As of this block's own exit, which counts one change (with the lock still
+                # held): any change after it, even before the wait below begins, ends the wait.
+                seen = self._changes + 1
+            # The wait holds the bare lock, outside _locked(): the calls to on_worker_gone
+            # and on_epoch_evaluated that this lease's own reaping collected are made as it
+            # lets go of the lock above, not when the wait ends.
+            with self._lock:
                 try:
-                    self._changed.wait(remaining)
+                    while (self._changes == seen and not self._waits_stopped
+                           and not abandoned()):
+                        remaining = give_up_at - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._changed.wait(remaining)
                 finally:
                     self._waiting -= 1
-            _, task_id = heapq.heappop(self._pending)
-            task = self._tasks[task_id]
-            task.state, task.holder = TaskState.LEASED, (worker_id, incarnation)
-            task.attempts += 1
-            worker.leased.add(task_id)
-            return "task", task
 
     @property
     def waiting_leases(self) -> int:

@@ -150,9 +150,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if request.wait_ms < 0:
                 raise InvalidArgument(f"LeaseTask wait_ms {request.wait_ms} must be >= 0")
             wait_s = min(request.wait_ms, MAX_LEASE_WAIT_MS) / 1000
-            if wait_s:
-                # A caller that hangs up (a stopping worker) frees its thread at once.
-                context.add_callback(self._runner.wake_waiting)
+            # A caller that hangs up (a stopping worker) frees its thread at once; one gone
+            # already (add_callback refuses a call that has ended) is not waited for at all.
+            if wait_s and not context.add_callback(self._runner.wake_waiting):
+                wait_s = 0.0
             outcome, task = self._runner.lease(request.worker_id, request.incarnation, wait_s,
                                                abandoned=lambda: not context.is_active())
             if outcome == "task":

@@ -14,6 +14,7 @@ from ps_common.rpc import make_channel
 from ps_common.status import RemoteError
 from ps_proto.v1 import coordinator_pb2 as pb
 from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from ps_server.coordinator import servicer as coordinator_servicer
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.testing import wait_until
 from ps_worker.coordinator_client import CoordinatorClient
@@ -68,7 +69,10 @@ def test_a_wait_that_runs_out_says_ask_again_now(coordinator):
         assert outcome == "wait" and pause > 0  # asked not to wait: told to pause
 
 
-def test_interrupt_waits_cancels_a_waiting_lease_and_frees_the_coordinator(coordinator, pool):
+def test_interrupt_waits_cancels_a_waiting_lease_and_frees_the_coordinator(coordinator, pool,
+                                                                            monkeypatch):
+    # The coordinator's own bound on a wait must not be what ends it here.
+    monkeypatch.setattr(coordinator_servicer, "MAX_LEASE_WAIT_MS", int(LONG_S * 1000))
     with CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
         w0 = client.register_worker("w0").incarnation
         w1 = client.register_worker("w1").incarnation
@@ -78,7 +82,8 @@ def test_interrupt_waits_cancels_a_waiting_lease_and_frees_the_coordinator(coord
         with pytest.raises(RemoteError) as raised:
             waiting.result(timeout=BOUND_S)
         assert raised.value.code() == grpc.StatusCode.CANCELLED
-        # The coordinator's side of the call ends too: its thread is not held for LONG_S.
+        # The coordinator's side of the call ends too: its thread is not held for LONG_S
+        # (BOUND_S is shorter).
         wait_until(lambda: coordinator.runner.waiting_leases == 0,
                    "the coordinator to drop the abandoned wait", timeout_s=BOUND_S)
 

@@ -69,6 +69,8 @@ def test_every_process_serves_figures_that_move_while_the_job_trains(launch):
     assert metric(at_coordinator, "paramserve_job_state", state="running") == 1
     assert 0 < metric(at_coordinator, "paramserve_job_progress_ratio") < 1
     assert metric(at_coordinator, "paramserve_job_steps_per_second") > 0
+    # Its only worker always has the next task (or the evaluation) to run: it never waits.
+    assert metric(at_coordinator, "paramserve_job_waiting_leases") == 0
     assert metric(at_coordinator, "paramserve_rpc_handled_total",
                   method="/ps.v1.Coordinator/CompleteTask", code="OK") > 0
     at_server = scrape_metrics(urls["ps-0"])

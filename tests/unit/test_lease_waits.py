@@ -113,3 +113,57 @@ def test_an_abandoned_wait_ends_when_woken(pool):
     runner.wake_waiting()
     assert waiting.result(timeout=BOUND_S) == ("wait", None)
     assert runner.waiting_leases == 0
+
+
+def test_a_caller_gone_gets_no_task_that_became_pending_meanwhile(pool):
+    runner = make_runner()
+    w0, w1, w2 = (runner.register_worker(w) for w in ("w0", "w1", "w2"))
+    train = runner.lease("w0", w0)[1]
+    gone = threading.Event()
+    waiting = pool.submit(runner.lease, "w1", w1, LONG_S, abandoned=gone.is_set)
+    wait_until(lambda: runner.waiting_leases == 1, "the lease to wait", timeout_s=BOUND_S)
+    gone.set()
+    runner.complete("w0", w0, train.task_id, TRAIN)  # the evaluation is pending now
+    assert waiting.result(timeout=BOUND_S) == ("wait", None)
+    outcome, evaluation = runner.lease("w2", w2)  # still there for a worker that asks
+    assert outcome == "task" and evaluation.kind == "evaluate"
+
+
+def test_workers_found_dead_by_a_waiting_lease_are_reported_at_once(pool):
+    clock = FakeClock()
+    gone: list[tuple[str, int]] = []
+    runner = JobRunner(JobSpec(epochs=2, tasks_per_epoch=1), clock, heartbeat_timeout_s=10.0,
+                       max_waiting_leases=4, on_worker_gone=lambda w, i: gone.append((w, i)))
+    w0, w1, w2 = (runner.register_worker(w) for w in ("w0", "w1", "w2"))
+    runner.lease("w0", w0)
+    clock.advance(6.0)
+    runner.heartbeat("w0", w0)
+    runner.heartbeat("w1", w1)
+    clock.advance(5.0)  # w2's heartbeats stopped 11 s ago: the next call reaps it
+    waiting = pool.submit(runner.lease, "w1", w1, LONG_S)
+    # Reported by the lease that reaped it, while that lease still waits for a task.
+    wait_until(lambda: gone == [("w2", w2)], "w2 to be reported gone", timeout_s=BOUND_S)
+    assert not waiting.done()
+    runner.stop_waiting()
+    assert waiting.result(timeout=BOUND_S) == ("wait", None)
+
+
+def test_a_waiting_lease_sleeps_until_something_changes(pool):
+    runner = make_runner()
+    w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
+    runner.lease("w0", w0)
+    looks = []
+
+    def abandoned() -> bool:  # asked each time the wait wakes up
+        looks.append(1)
+        return False
+
+    waiting = pool.submit(runner.lease, "w1", w1, LONG_S, abandoned=abandoned)
+    wait_until(lambda: looks, "the lease to wait", timeout_s=BOUND_S)
+    # Nothing changed since: one look, not a loop of them.
+    assert len(looks) == 1 and runner.waiting_leases == 1
+    runner.heartbeat("w0", w0)  # a change, but no task: it looks again and sleeps on
+    wait_until(lambda: len(looks) >= 3, "the lease to look again", timeout_s=BOUND_S)
+    assert len(looks) == 3 and not waiting.done()
+    runner.stop_waiting()
+    assert waiting.result(timeout=BOUND_S) == ("wait", None)

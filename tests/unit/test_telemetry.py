@@ -224,7 +224,7 @@ def fake_coordinator(checkpoint=None):
                 "workers": [{"state": "alive"}, {"state": "alive"}, {"state": "dead"}]}
     return SimpleNamespace(
         state=SimpleNamespace(server_states=lambda: [(None, "alive", 0.1), (None, "lost", 70.0)]),
-        runner=SimpleNamespace(snapshot=lambda: snapshot),
+        runner=SimpleNamespace(snapshot=lambda: snapshot, waiting_leases=1),
         clients=SimpleNamespace(live_count=lambda: 2),
         checkpointer=None if checkpoint is None else SimpleNamespace(
             catalog=SimpleNamespace(current=lambda: checkpoint)))
@@ -245,6 +245,7 @@ def test_the_coordinator_collector_reads_members_progress_and_checkpoint_age(reg
     assert value(registry, "paramserve_job_tasks_done_total") == 3
     assert value(registry, "paramserve_job_steps_total") == 100
     assert value(registry, "paramserve_job_steps_per_second") == 25
+    assert value(registry, "paramserve_job_waiting_leases") == 1
     assert value(registry, "paramserve_checkpoint_age_seconds") == 30
     assert value(registry, "paramserve_checkpoint_step") == 80
 
