@@ -199,13 +199,14 @@ class JobRunner:
         self._on_worker_gone = on_worker_gone
         self._on_epoch_evaluated = on_epoch_evaluated
         self._lock = threading.Lock()
-        # Waiting leases sleep on it; every public method wakes them as it lets go of the
-        # lock, since any change may have made a task pending or a waiting caller moot.
+        # Waiting leases sleep on it, woken (_wake_leases) by what may end a wait: a task
+        # pending, the job over, a worker gone. Not by every call: a waiting lease's own
+        # look would wake the others, whose looks would wake it again.
         self._changed = threading.Condition(self._lock)
         self._max_waiting = max_waiting_leases
         self._waiting = 0
         self._waits_stopped = False
-        self._changes = 0  # counts the times a public method let go of the lock
+        self._changes = 0  # counts the _wake_leases calls
         self._workers: dict[str, Worker] = {}
         self._alive = 0
         # (deadline, sequence, worker) heaps; `sequence` breaks ties so that Workers are never
@@ -247,7 +248,8 @@ class JobRunner:
         self.state = JobState.RUNNING if job else JobState.NONE
         self._epoch = 0
         if job:
-            self._start_epoch(1)
+            with self._lock:  # as everything that adds a task
+                self._start_epoch(1)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -261,8 +263,6 @@ class JobRunner:
                     self._reap()
                     yield
                 finally:
-                    self._changes += 1
-                    self._changed.notify_all()
                     gone, self._gone = self._gone, []
                     evaluated, self._evaluated = self._evaluated, []
         finally:
@@ -301,6 +301,13 @@ class JobRunner:
         task_id = self._issued
         self._tasks[task_id] = Task(task_id, kind, epoch, index)
         heapq.heappush(self._pending, (kind != "evaluate", task_id))
+        self._wake_leases()
+
+    def _wake_leases(self) -> None:
+        """Waiting leases look again: a task may be pending, the job over, or one of them
+        fenced."""
+        self._changes += 1
+        self._changed.notify_all()
 
     def _record(self, task: Task, metrics: Metrics) -> None:
         """A task of the current epoch is done: count it and add its metrics to its epoch."""
@@ -332,11 +339,13 @@ class JobRunner:
             self._start_epoch(self._epoch + 1)
         else:
             self.state = JobState.DONE
+            self._wake_leases()
             self._finished_at = self._clock.monotonic()
 
     def _release(self, task: Task) -> None:
         task.state, task.holder = TaskState.PENDING, None
         heapq.heappush(self._pending, (task.kind != "evaluate", task.task_id))
+        self._wake_leases()
         if task.attempts >= MAX_TASK_ATTEMPTS and self.state is JobState.RUNNING:
             self._finish(JobState.FAILED, f"task {task.task_id} ({task.kind}, epoch {task.epoch})"
                                           f" lost {task.attempts} workers; giving up")
@@ -344,6 +353,7 @@ class JobRunner:
     def _finish(self, state: JobState, failure: str = "") -> None:
         self.state, self.failure = state, failure
         self._finished_at = self._clock.monotonic()
+        self._wake_leases()
 
     # ---- liveness (expect the lock held) ---------------------------------------------
 
@@ -376,6 +386,7 @@ class JobRunner:
         forgetting scheduled."""
         was_alive = worker.state is WorkerState.ALIVE
         worker.state = state
+        self._wake_leases()  # it may be waiting for a task itself
         if state is WorkerState.DEAD:
             worker.reason, worker.died_at = reason, now
             for task_id in sorted(worker.leased):
@@ -480,9 +491,7 @@ class JobRunner:
                     return "wait", (0.0 if waited else None)
                 waited = True
                 self._waiting += 1
-                # As of this block's own exit, which counts one change (with the lock still
-                # held): any change after it, even before the wait below begins, ends the wait.
-                seen = self._changes + 1
+                seen = self._changes  # a change from now on, even before the wait, ends it
             # The wait holds the bare lock, outside _locked(): the calls to on_worker_gone
             # and on_epoch_evaluated that this lease's own reaping collected are made as it
             # lets go of the lock above, not when the wait ends.

@@ -148,22 +148,35 @@ def test_workers_found_dead_by_a_waiting_lease_are_reported_at_once(pool):
     assert waiting.result(timeout=BOUND_S) == ("wait", None)
 
 
-def test_a_waiting_lease_sleeps_until_something_changes(pool):
-    runner = make_runner()
-    w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
+def test_waiting_leases_sleep_until_something_may_end_their_wait(pool):
+    clock = FakeClock()
+    runner = JobRunner(JobSpec(epochs=2, tasks_per_epoch=1), clock, heartbeat_timeout_s=10.0,
+                       max_waiting_leases=4)
+    w0, w1, w2, w3 = (runner.register_worker(w) for w in ("w0", "w1", "w2", "w3"))
     runner.lease("w0", w0)
-    looks = []
+    clock.advance(6.0)
+    runner.heartbeat("w0", w0)  # w3 sends none: it is dead from t = 10
+    looks = {"w1": [], "w2": []}
 
-    def abandoned() -> bool:  # asked each time the wait wakes up
-        looks.append(1)
-        return False
+    def counting(worker_id):
+        def abandoned() -> bool:  # asked each time the wait wakes up
+            looks[worker_id].append(1)
+            return False
+        return abandoned
 
-    waiting = pool.submit(runner.lease, "w1", w1, LONG_S, abandoned=abandoned)
-    wait_until(lambda: looks, "the lease to wait", timeout_s=BOUND_S)
-    # Nothing changed since: one look, not a loop of them.
-    assert len(looks) == 1 and runner.waiting_leases == 1
-    runner.heartbeat("w0", w0)  # a change, but no task: it looks again and sleeps on
-    wait_until(lambda: len(looks) >= 3, "the lease to look again", timeout_s=BOUND_S)
-    assert len(looks) == 3 and not waiting.done()
+    waits = [pool.submit(runner.lease, w, i, LONG_S, abandoned=counting(w))
+             for w, i in (("w1", w1), ("w2", w2))]
+    wait_until(lambda: all(looks.values()), "both leases to wait", timeout_s=BOUND_S)
+    # Nothing that could end a wait happened since: one look each, not a loop of them (a
+    # lease's look must not wake the other, whose look would wake it again).
+    assert {w: len(n) for w, n in looks.items()} == {"w1": 1, "w2": 1}
+    assert runner.waiting_leases == 2
+    runner.heartbeat("w0", w0)  # no task, nobody gone: nothing to look at
+    clock.advance(5.0)
+    runner.heartbeat("w0", w0)  # reaps w3: a worker gone, so each looks again, then sleeps
+    wait_until(lambda: all(len(n) >= 3 for n in looks.values()), "both to look again",
+               timeout_s=BOUND_S)
+    assert {w: len(n) for w, n in looks.items()} == {"w1": 3, "w2": 3}
+    assert not any(w.done() for w in waits)
     runner.stop_waiting()
-    assert waiting.result(timeout=BOUND_S) == ("wait", None)
+    assert [w.result(timeout=BOUND_S) for w in waits] == [("wait", None)] * 2
