@@ -453,9 +453,11 @@ class JobRunner:
 
         When no task is pending, the call waits up to `wait_s` seconds (real time, whatever
         the runner's clock) for one, for the job to end or for this incarnation to be
-        fenced, and answers as it would then. ('wait', 0.0): it waited `wait_s` in full, so
-        the caller may ask again at once; ('wait', None): it did not wait (`wait_s` 0, too
-        many leases waiting already, or `stop_waiting()`), so the caller should pause first.
+        fenced, and answers as it would then, except that a task pending after a wait is
+        answered ('wait', 0.0): ask again at once (and get it, unless another worker was
+        faster). ('wait', 0.0) also when the wait ran out; ('wait', None): it did not wait
+        (`wait_s` 0, too many leases waiting already, or `stop_waiting()`), so the caller
+        should pause first.
         A wait also ends, with ('wait', None), once `abandoned()` says the caller is gone
         (checked whenever the wait is woken: see `wake_waiting`).
         """
@@ -471,13 +473,18 @@ class JobRunner:
                 if self.state is not JobState.RUNNING:
                     self._leave(worker, WorkerState.DONE, now)
                     return "done", None
-                if waited and abandoned():  # before a task goes to a caller that hung up
+                if waited and abandoned():
                     return "wait", None
                 # A resumed task its old holder reported done stays in the heap (and may
                 # even have been dropped with its epoch since): skipped.
                 while self._pending and getattr(self._tasks.get(self._pending[0][1]), "state",
                                                 None) is not TaskState.PENDING:
                     heapq.heappop(self._pending)
+                if self._pending and waited:
+                    # Asked to ask again at once rather than given the task: a caller that
+                    # stalled while its call waited (stopped, swapping, dying) must not hold
+                    # the task for a heartbeat timeout; its next call shows it is alive.
+                    return "wait", 0.0
                 if self._pending:
                     _, task_id = heapq.heappop(self._pending)
                     task = self._tasks[task_id]

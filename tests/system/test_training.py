@@ -552,8 +552,9 @@ def test_coordinator_sigkilled_mid_job_loses_no_trained_value_and_the_job_finish
     from ps_worker import PSClient, RetryPolicy
 
     patient = RetryPolicy(max_attempts=200, initial_backoff_s=0.05, max_backoff_s=0.25)
+    # Long and slow enough that the job still runs when its workers are stopped below.
     job = ["--heartbeat-interval", str(HEARTBEAT_S), "--heartbeat-timeout",
-           str(HEARTBEAT_TIMEOUT_S), "--epochs", "3", "--tasks-per-epoch", "2"]
+           str(HEARTBEAT_TIMEOUT_S), "--epochs", "10", "--tasks-per-epoch", "2"]
     coordinator = launch("coordinator", "ps_server.coordinator.cli", "--port", "0",
                          "--recovery-grace", "0", *job)
     address = coordinator.address()
@@ -569,7 +570,7 @@ def test_coordinator_sigkilled_mid_job_loses_no_trained_value_and_the_job_finish
         ps.declare("y", shape=(300,), init="normal", optimizer={"name": "sgd", "lr": 1.0})
         ps.push({"x": np.ones((7, 3), np.float32), "y": np.ones(300, np.float32)})
         workers = [launch(f"w{i}", "ps_worker.cli", "--coordinator", address, "--worker-id",
-                          f"w{i}", "--device", "cpu") for i in range(2)]
+                          f"w{i}", "--device", "cpu", *STEP_DELAY) for i in range(2)]
         wait_for(observer, lambda s: s["job"]["tasks_done"] >= 2, "the job to make progress",
                  watch=(coordinator, *servers, *workers))
         observer.close()

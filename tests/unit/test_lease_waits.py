@@ -25,6 +25,11 @@ def pool():
         yield executor
 
 
+def worker_leases(runner: JobRunner, worker_id: str) -> list[int]:
+    (row,) = [w for w in runner.snapshot()["workers"] if w["worker_id"] == worker_id]
+    return row["leased_tasks"]
+
+
 def make_runner(*, epochs: int = 2, tasks_per_epoch: int = 1,
                 max_waiting: int = 4) -> JobRunner:
     return JobRunner(JobSpec(epochs=epochs, tasks_per_epoch=tasks_per_epoch), FakeClock(),
@@ -41,17 +46,32 @@ def waiting_lease(pool, runner: JobRunner, worker_id: str, incarnation: int,
     return future
 
 
-def test_a_waiting_lease_gets_the_task_that_becomes_pending():
+def test_a_waiting_lease_is_answered_when_a_task_becomes_pending_and_its_next_gets_it():
     runner = make_runner()
     w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
     train = runner.lease("w0", w0)[1]
     with ThreadPoolExecutor(max_workers=1) as pool:
         waiting = waiting_lease(pool, runner, "w1", w1)
         runner.complete("w0", w0, train.task_id, TRAIN)  # the epoch's evaluation is pending
-        outcome, task = waiting.result(timeout=BOUND_S)
+        # Not handed over in the answer to a call that waited (its caller may have stalled
+        # meanwhile): ask again now.
+        assert waiting.result(timeout=BOUND_S) == ("wait", 0.0)
+    assert runner.waiting_leases == 0
+    outcome, task = runner.lease("w1", w1, LONG_S)
     assert outcome == "task" and (task.kind, task.epoch, task.holder) == ("evaluate", 1,
                                                                            ("w1", w1))
-    assert runner.waiting_leases == 0
+
+
+def test_a_caller_that_stalled_in_a_wait_holds_no_task(pool):
+    runner = make_runner()
+    w0, w1, w2 = (runner.register_worker(w) for w in ("w0", "w1", "w2"))
+    train = runner.lease("w0", w0)[1]
+    stalled = waiting_lease(pool, runner, "w1", w1)  # its answer is never read, say
+    runner.complete("w0", w0, train.task_id, TRAIN)
+    assert stalled.result(timeout=BOUND_S) == ("wait", 0.0)
+    outcome, evaluation = runner.lease("w2", w2)  # the task is still there for the others
+    assert outcome == "task" and evaluation.kind == "evaluate"
+    assert worker_leases(runner, "w1") == []
 
 
 def test_a_wait_that_runs_out_says_ask_again_now():
