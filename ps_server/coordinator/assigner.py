@@ -61,13 +61,14 @@ class Assigner:
     def _stub(self, address: str) -> ps_grpc.ParameterServerStub:
         with self._lock:
             if self._closed:  # no new channel (and 60 s call) once close() cancelled them
-                raise RemoteError(grpc.StatusCode.CANCELLED, "the coordinator is stopping",
-                                  target=address)
+                raise _stopping(address)
             channel = self._channels.get(address)
             if channel is None:
                 channel = self._channels[address] = make_channel(
                     address, self._cluster_token, self._cluster_tls)
-        return ps_grpc.ParameterServerStub(channel)
+            # Under the lock: grpcio crashes the process (SIGSEGV) when a stub's methods are
+            # registered on a channel that close() is closing at that moment.
+            return ps_grpc.ParameterServerStub(channel)
 
     def _server_lock(self, server_id: str) -> threading.Lock:
         with self._lock:
@@ -97,6 +98,10 @@ class Assigner:
                 reply = self._stub(address).AssignShards(request, timeout=self._timeout)
             except grpc.RpcError as error:
                 raise RemoteError.from_rpc_error(error, target=server_id) from None
+            except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
+                if not self._closed:
+                    raise
+                raise _stopping(server_id) from None
             failures = [CreationFailure(server_id, shard_from_proto(f.shard), f.message)
                         for f in reply.failed if not f.checkpoint_unreadable]
             unreadable = [f.message for f in reply.failed if f.checkpoint_unreadable]
@@ -190,3 +195,7 @@ class Assigner:
                 channel.close()
             self._channels.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stopping(target: str) -> RemoteError:
+    return RemoteError(grpc.StatusCode.CANCELLED, "the coordinator is stopping", target=target)
