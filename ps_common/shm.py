@@ -78,10 +78,11 @@ def owner_alive(name: str) -> bool:
 class Segment:
     """One mapped segment: `header` (8 uint64 words) and the `data` bytes after it."""
 
-    def __init__(self, path: Path, mapping: mmap.mmap, writable: bool):
+    def __init__(self, path: Path, mapping: mmap.mmap, writable: bool, file=None):
         self.path = path
         self.name = path.name
         self._mapping = mapping
+        self._file = file  # kept open for BlockReader (create(..., keep_file=True))
         self.writable = writable
         # Read-only for a client that mapped it read-only (PROT_READ).
         self.header = np.frombuffer(mapping, np.uint64, 8)
@@ -96,16 +97,18 @@ class Segment:
     def data(self) -> memoryview:
         return memoryview(self._mapping)[HEADER_BYTES:]
 
-    def releaser(self) -> "Releaser":
-        return Releaser(self._mapping)
+    def reader(self) -> "BlockReader | None":
+        """A BlockReader of this segment (None unless it was created with keep_file)."""
+        return None if self._file is None else BlockReader(self._mapping, self._file)
 
     @property
     def retired(self) -> bool:
         return bool(int(self.header[FLAGS]) & RETIRED)
 
 
-def create(name: str, nbytes: int) -> Segment:
+def create(name: str, nbytes: int, *, keep_file: bool = False) -> Segment:
     """A new segment with room for `nbytes` of data, owner-only, its space reserved.
+    `keep_file`: keep the file open for `Segment.reader()` (one descriptor per segment).
 
     The space is allocated up front (posix_fallocate) because a tmpfs that runs out of room
     (a container's 64 MiB /dev/shm) would otherwise kill the process with SIGBUS when it
@@ -121,8 +124,14 @@ def create(name: str, nbytes: int) -> Segment:
         os.close(fd)
         unlink(path)
         raise
-    os.close(fd)
-    segment = Segment(path, mapping, writable=True)
+    file = None
+    if keep_file:
+        # Closed with the object (as the mapping is unmapped with its own), never by hand:
+        # a push still reading through it keeps its descriptor valid.
+        file = os.fdopen(fd, "rb", buffering=0)
+    else:
+        os.close(fd)
+    segment = Segment(path, mapping, writable=True, file=file)
     segment.header[0] = MAGIC
     return segment
 
@@ -156,39 +165,46 @@ def unlink(path: Path) -> None:
         pass
 
 
-class Releaser:
-    """Drops pages of a mapping from this process's memory once they have been read, so
-    that reading a large segment front to back never holds more than RELEASE_BYTES of it
-    resident here (the data stays in the segment: other processes, and a later read, see it).
-    Call it with each array read in turn (views into the mapping), then `finish()`."""
+class BlockReader:
+    """Reads blocks of a file-backed mapping with pread instead of through the mapping.
 
-    RELEASE_BYTES = 4 << 20
+    A server reads a large push (a client's push slot, a staged push's file) twice: once to
+    check it, once to apply it. Read through the mapping, each pass maps every page of it
+    into the server (a minor fault per page), and the pages stay resident unless dropped
+    again after each block, which makes the next pass fault them in again. pread copies a
+    block from the page cache into a buffer of this reader's, reused block after block: the
+    push never becomes resident in this process and costs no page faults (W2 over shared
+    memory: benchmarks/RESULTS.md).
 
-    def __init__(self, mapping: mmap.mmap):
+    Call it with a view into the mapping (`block`): it returns an array of the same dtype,
+    shape and contents, valid until the next call. A block that is not a contiguous view
+    into the mapping (a converted copy) is returned as it is. Call `finish()` at the end of
+    the push: whatever was read through the mapping after all (an error's count of the bad
+    values, a conversion of a narrowed dtype) is dropped from this process's memory."""
+
+    def __init__(self, mapping: mmap.mmap, file):
         self._mapping = mapping
+        self._file = file  # an open file object over the mapped file: owns its descriptor
         self._base = np.frombuffer(mapping, np.uint8).ctypes.data
         self._size = len(mapping)
-        self._released = 0  # where the range read but not yet released starts
-        self._seen = 0  # where it ends
+        self._buffer = np.empty(0, np.uint8)
 
-    def __call__(self, block: np.ndarray) -> None:
+    def __call__(self, block: np.ndarray) -> np.ndarray:
         start = block.ctypes.data - self._base
-        end = start + block.nbytes
-        if not 0 <= start < end <= self._size:
-            return  # not in this mapping (e.g. a widened copy)
-        if start < self._seen:  # another pass from the front (validation, then the update)
-            self._release()
-            self._released = start - start % mmap.PAGESIZE
-        self._seen = end
-        if self._seen - self._released >= self.RELEASE_BYTES:
-            self._release()
+        if not (block.flags.c_contiguous and 0 <= start
+                and start + block.nbytes <= self._size):
+            return block
+        if self._buffer.nbytes < block.nbytes:
+            self._buffer = np.empty(block.nbytes, np.uint8)
+        out = self._buffer[:block.nbytes]
+        done = 0
+        while done < block.nbytes:
+            got = os.preadv(self._file.fileno(), [out[done:]], start + done)
+            if got <= 0:
+                raise OSError(f"{block.nbytes} bytes at offset {start} are past the end of "
+                              "the mapped file")
+            done += got
+        return out.view(block.dtype).reshape(block.shape)
 
     def finish(self) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        start = self._released - self._released % mmap.PAGESIZE
-        stop = self._seen - self._seen % mmap.PAGESIZE
-        if stop > start:
-            self._mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
-            self._released = stop
+        self._mapping.madvise(mmap.MADV_DONTNEED, 0, self._size)

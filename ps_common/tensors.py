@@ -116,18 +116,31 @@ def from_wire(raw: np.ndarray, wire_dtype: str) -> np.ndarray:
 FINITE_BLOCK_ELEMENTS = 1 << 20
 
 
-def all_finite(values: np.ndarray, after_block=None) -> bool:
+def all_finite(values: np.ndarray, read_block=None) -> bool:
     """Whether every element is finite (no NaN, no +-Inf). A block's max and min are finite
     exactly when all of its elements are (NaN propagates through both): two passes at memory
-    speed, no temporary. `after_block(block)` is called with each block once it was read."""
+    speed, no temporary. `read_block(block)`, if given, returns the contents of each block
+    to check (ps_common.shm.BlockReader: read from a file instead of a mapping)."""
     flat = values.reshape(-1)
     for start in range(0, flat.size, FINITE_BLOCK_ELEMENTS):
         block = flat[start:start + FINITE_BLOCK_ELEMENTS]
+        if read_block is not None:
+            block = read_block(block)
         if not (np.isfinite(block.max()) and np.isfinite(block.min())):
             return False
-        if after_block is not None:
-            after_block(block)
     return True
+
+
+def count_non_finite(values: np.ndarray, read_block=None) -> int:
+    """How many elements are NaN or +-Inf (for an error message), a block at a time."""
+    flat = values.reshape(-1)
+    bad = 0
+    for start in range(0, flat.size, FINITE_BLOCK_ELEMENTS):
+        block = flat[start:start + FINITE_BLOCK_ELEMENTS]
+        if read_block is not None:
+            block = read_block(block)
+        bad += block.size - int(np.count_nonzero(np.isfinite(block)))
+    return bad
 
 
 def view_bytes(buffer, meta: TensorMeta) -> np.ndarray:

@@ -102,11 +102,12 @@ def make_state(spec: VariableSpec, shape: tuple[int, ...]) -> ShardOptimizerStat
 
 def apply_update(
     spec: VariableSpec, knobs: dict[str, float], values: np.ndarray,
-    state: ShardOptimizerState, grad: np.ndarray, after_block=None,
+    state: ShardOptimizerState, grad: np.ndarray, read_block=None,
 ) -> None:
     """Apply one gradient to `values` in place. A writable `grad` is clobbered (used as
     scratch); a read-only one (a view of a received message) is copied a block at a time.
-    `after_block(block)` is called with each block of `grad` once it has been used."""
+    `read_block(block)`, if given, returns the contents of each block of `grad` to use (a
+    private copy, read from a file instead of a mapping: ps_common.shm.BlockReader)."""
     state.steps += 1
     w = values.reshape(-1)
     g = grad.reshape(-1)
@@ -114,9 +115,7 @@ def apply_update(
     dtype = compute_dtype(spec.dtype)
     widen = dtype != w.dtype
     scratch = np.empty(min(BLOCK_ELEMENTS, w.size), dtype=dtype)
-    # Block-sized: the copy stays in cache, unlike a copy of the whole gradient.
-    grad_block = (None if g.flags.writeable or widen
-                  else np.empty(min(BLOCK_ELEMENTS, w.size), dtype=dtype))
+    grad_block = None  # block-sized: the copy stays in cache, unlike a copy of the whole
     kind = spec.optimizer.name
     step = _STEPS[kind]
     constants = _constants(kind, knobs, state.steps)
@@ -124,19 +123,21 @@ def apply_update(
     for start in range(0, w.size, BLOCK_ELEMENTS):
         stop = min(start + BLOCK_ELEMENTS, w.size)
         wb, gb, sb = w[start:stop], g[start:stop], scratch[:stop - start]
+        if read_block is not None:
+            gb = read_block(gb)
         if widen:  # block-sized float32 copies, written back below
             wb, gb = wb.astype(dtype), gb.astype(dtype)
-        elif grad_block is not None:
+        elif not gb.flags.writeable:
+            if grad_block is None:
+                grad_block = np.empty(min(BLOCK_ELEMENTS, w.size), dtype=dtype)
+            np.copyto(grad_block[:stop - start], gb)
             gb = grad_block[:stop - start]
-            np.copyto(gb, g[start:stop])
         if wd:
             np.multiply(wb, wd, out=sb)
             gb += sb
         step(wb, gb, sb, {k: v[start:stop] for k, v in slots.items()}, constants)
         if widen:
             w[start:stop] = wb
-        if after_block is not None:
-            after_block(g[start:stop])
 
 
 def _constants(kind: str, knobs: dict[str, float], t: int) -> dict[str, float]:

@@ -5,8 +5,8 @@ wait somewhere first. Pushes wait in pooled buffers while the server's receive m
 within its bound (`--push-memory`; by default a quarter of the bytes the server holds, at
 least MIN_PUSH_MEMORY). A push that would take it past the bound waits in an unlinked
 temporary file instead (`--spill-dir`), written as its chunks arrive; the update then reads
-the file through a read-only mapping and drops each block from the server's memory once it
-is read (ps_common.shm.Releaser). Without this, a whole-variable push of a 3 GiB shard needs
+it back a block at a time with pread into a buffer it reuses (ps_common.shm.BlockReader),
+so that the file's pages never become resident in the server. Without this, a whole-variable push of a 3 GiB shard needs
 3 GiB of memory beside the shard. With it, the server's RSS stays near the bytes it holds;
 the staged bytes sit in the page cache, which the kernel may write back and reclaim. The
 file is unlinked from the start, so nothing is left behind even by a killed server.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ps_common.errors import ResourceExhausted
-from ps_common.shm import Releaser
+from ps_common.shm import BlockReader
 from ps_server.buffers import BufferPool
 
 MIN_PUSH_MEMORY = 16 << 20
@@ -37,29 +37,30 @@ MIN_PUSH_MEMORY = 16 << 20
 class Staged:
     """A push's tensors: `destinations`, one writable byte destination each for a
     StreamAssembler, and, after `finish()`, `data`: one view of each, to decode and apply.
-    `release` (None in memory) is given each block of `data` once the update has read it."""
+    `reader` (None in memory) reads each block of `data` from the staging file."""
 
     sizes: list[int]
     destinations: list
     data: list | None = None
-    release: Releaser | None = None
-    fd: int | None = None  # the staging file's
+    reader: BlockReader | None = None
+    file: object | None = None  # the staging file (a file object: owns its descriptor)
     mapping: mmap.mmap | None = None
 
     def finish(self) -> None:
-        """All of the push has arrived: a staged file is mapped for reading."""
+        """All of the push has arrived: a staged file is mapped, for views of its tensors."""
         if self.data is not None:
             return
-        self.mapping = mmap.mmap(self.fd, sum(self.sizes), mmap.MAP_SHARED, mmap.PROT_READ)
+        self.mapping = mmap.mmap(self.file.fileno(), sum(self.sizes), mmap.MAP_SHARED,
+                                 mmap.PROT_READ)
         view, self.data, start = memoryview(self.mapping), [], 0
         for size in self.sizes:
             self.data.append(view[start:start + size])
             start += size
-        self.release = Releaser(self.mapping)
+        self.reader = BlockReader(self.mapping, self.file)
 
     def close(self) -> None:
         mapping, self.mapping = self.mapping, None
-        self.data = self.release = None
+        self.data = self.reader = None
         if mapping is not None:
             with contextlib.suppress(BufferError):  # a view outlived the push: GC unmaps
                 mapping.close()
@@ -109,10 +110,10 @@ class PushStaging:
             if in_memory:
                 self._in_memory += total
         if not in_memory:
-            with self._file(total) as fd:
+            with self._file(total) as file:
                 starts = itertools.accumulate(sizes[:-1], initial=0)
-                staged = Staged(sizes, [_FileRegion(fd, start, size)
-                                        for start, size in zip(starts, sizes)], fd=fd)
+                staged = Staged(sizes, [_FileRegion(file.fileno(), start, size)
+                                        for start, size in zip(starts, sizes)], file=file)
                 try:
                     yield staged
                 finally:
@@ -130,7 +131,7 @@ class PushStaging:
                 self._in_memory -= total
 
     @contextlib.contextmanager
-    def _file(self, nbytes: int) -> Iterator[int]:
+    def _file(self, nbytes: int) -> Iterator:
         try:
             file = tempfile.TemporaryFile(dir=self.directory)
         except OSError as error:
@@ -150,4 +151,4 @@ class PushStaging:
                 os.ftruncate(file.fileno(), nbytes)  # a file system that cannot reserve
             with self._lock:
                 self.staged_pushes += 1
-            yield file.fileno()
+            yield file

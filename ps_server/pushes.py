@@ -75,11 +75,11 @@ class PushReceiver:
             grads = [_decode(data, meta, held.spec.dtype)
                      for data, meta, held in zip(staged.data, header.metas, targets)]
             try:
-                return self._apply(header, targets, grads, staged.release,
+                return self._apply(header, targets, grads, staged.reader,
                                    arrival.finite() if arrival else frozenset())
             finally:
-                if staged.release is not None:
-                    staged.release.finish()
+                if staged.reader is not None:
+                    staged.reader.finish()
 
     def receive_whole(self, header: PushHeader, data: memoryview) -> PushOutcome:
         """The same for a push whose tensors all came in one message (`data`): read in place
@@ -91,11 +91,11 @@ class PushReceiver:
         return self.receive_shared(header, data)
 
     def receive_shared(self, header: PushHeader, data: memoryview,
-                       release=None) -> PushOutcome:
+                       reader=None) -> PushOutcome:
         """The same for a push whose tensors lie back to back at the start of `data` (a
-        client's push slot in shared memory): read in place, no copy. `release` (a
-        ps_common.shm.Releaser of the slot) is given each block once it has been read, so
-        the slot never becomes resident in this process as a whole."""
+        client's push slot in shared memory): read in place, no copy. `reader` (a
+        ps_common.shm.BlockReader of a large slot) reads each block from the slot's file
+        instead, so that the slot never becomes resident in this process."""
         _check_identity(header)
         if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
             return self._duplicate(header)
@@ -109,17 +109,17 @@ class PushReceiver:
             grads.append(_decode(data[offset:offset + meta.nbytes], meta, held.spec.dtype))
             offset += meta.nbytes
         try:
-            return self._apply(header, targets, grads, release)
+            return self._apply(header, targets, grads, reader)
         finally:
-            if release is not None:
-                release.finish()
+            if reader is not None:
+                reader.finish()
 
-    def _apply(self, header: PushHeader, targets, grads, after_block=None,
+    def _apply(self, header: PushHeader, targets, grads, read_block=None,
                finite: frozenset[int] = frozenset()) -> PushOutcome:
         """`finite`: the positions of gradients found finite already (FiniteOnArrival)."""
         if header.step is not None:
             self.steps.check_member(header.client_id, header.incarnation)
-        self._store.check_gradients(targets, grads, after_block, finite)
+        self._store.check_gradients(targets, grads, read_block, finite)
         rows = self._store.sum_rows(targets, grads, header.row_ids)
         if header.step is not None and self.steps.kind_of(header.client_id) == SYNC:
             if any(r is not None for r in rows or ()):
@@ -135,7 +135,7 @@ class PushReceiver:
                 header.client_id, header.incarnation, header.sequence,
                 header.acked_through) as duplicate:
             if not duplicate:
-                self._store.apply(targets, grads, after_block, rows)
+                self._store.apply(targets, grads, read_block, rows)
         return self._stepped(header, duplicate)
 
     def _duplicate(self, header: PushHeader) -> PushOutcome:

@@ -42,10 +42,10 @@ log = logging.getLogger(__name__)
 # one). Push slots per connection: a client's push window.
 MAX_CONNECTIONS = 1024
 MAX_SLOTS_PER_CONNECTION = 8
-# A push read from a slot at least this large is released from the server's memory as it
-# is read (ps_common.shm.Releaser); smaller slots stay mapped, since releasing them would
-# cost a page fault per page on every push for little memory.
-RELEASE_SLOTS_FROM_BYTES = 16 << 20
+# A push from a slot at least this large is read from the slot's file (ps_common.shm.
+# BlockReader), so that it never becomes resident in the server; smaller slots are read
+# through the mapping, which stays resident (no copy, and little memory).
+READ_SLOTS_FROM_FILE_BYTES = 16 << 20
 # A connection whose client never proved the secret (it could not read the probe: another host
 # or user) ends after this long, with its probe.
 UNPROVEN_CONNECTION_S = 30.0
@@ -203,14 +203,11 @@ class SharedMemory:
             if len(connection.slots) >= MAX_SLOTS_PER_CONNECTION:
                 raise Overloaded(f"connection of {connection.client_id} holds "
                                  f"{MAX_SLOTS_PER_CONNECTION} push slots already")
-            segment = shm.create(self._name("slot"), nbytes)
+            segment = shm.create(self._name("slot"), nbytes,
+                                 keep_file=nbytes >= READ_SLOTS_FROM_FILE_BYTES)
             slot = next(_SERIAL)
             connection.slots[slot] = segment
         return slot, segment
-
-    @staticmethod
-    def releaser(segment: shm.Segment) -> shm.Releaser | None:
-        return segment.releaser() if segment.nbytes >= RELEASE_SLOTS_FROM_BYTES else None
 
     def slot(self, connection: Connection, slot: int) -> shm.Segment | None:
         """The connection's push slot (None: the connection has ended)."""

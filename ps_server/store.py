@@ -21,7 +21,7 @@ from ps_common.errors import (
 from ps_common.rows import dedup, sum_duplicates
 from ps_common.shardmap import Shard, VariableSpec, owners_of, shard_capacity
 from ps_common.shm import VERSION
-from ps_common.tensors import TensorMeta, all_finite, check_narrowing
+from ps_common.tensors import TensorMeta, all_finite, check_narrowing, count_non_finite
 from ps_server.dynamic_rows import BOOKKEEPING_SLOTS, DynamicRows
 from ps_server.initializers import initialize_ids, initialize_rows, validate_initializer
 from ps_server.live_reads import preserve_for_reads
@@ -438,15 +438,16 @@ class ShardStore:
         return targets
 
     def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray],
-                        after_block=None, finite: frozenset[int] = frozenset()) -> None:
-        """Refuse non-finite gradients. `after_block(block)` is called with each block of
-        a gradient once it has been read (a push read from shared memory releases it).
-        `finite`: positions of gradients already found finite, not read again."""
+                        read_block=None, finite: frozenset[int] = frozenset()) -> None:
+        """Refuse non-finite gradients. `read_block(block)`, if given, returns the contents
+        of each block of a gradient to check (a large push, read from its file instead of
+        its mapping: ps_common.shm.BlockReader). `finite`: positions of gradients already
+        found finite, not read again."""
         if self.allow_non_finite:
             return
         for i, (held, grad) in enumerate(zip(targets, grads)):
-            if i not in finite and grad.size and not all_finite(grad, after_block):
-                bad = int(np.size(grad) - np.count_nonzero(np.isfinite(grad)))
+            if i not in finite and grad.size and not all_finite(grad, read_block):
+                bad = count_non_finite(grad, read_block)
                 raise InvalidArgument(
                     f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "
                     "nothing was applied (start the server with --allow-non-finite to accept them)"
@@ -481,9 +482,9 @@ class ShardStore:
         return rows
 
     def apply(self, targets: list[HeldShard], grads: list[np.ndarray],
-              after_block=None, rows: list | None = None) -> None:
+              read_block=None, rows: list | None = None) -> None:
         """Apply validated gradients, all shards or none: locks are taken in key order.
-        `after_block` as for check_gradients. A row push (`rows[i]`, from sum_rows, not None)
+        `read_block` as for check_gradients. A row push (`rows[i]`, from sum_rows, not None)
         updates the touched rows only."""
         rows = rows or [None] * len(targets)
         with self._updating(targets):
@@ -497,7 +498,7 @@ class ShardStore:
                 try:
                     if touched is None:
                         apply_update(held.spec, held.knobs, held.values, held.state, grad,
-                                     after_block)
+                                     read_block)
                     else:
                         held.state.steps += 1
                         apply_rows(held.spec, held.knobs, held.values, held.optimizer_slots,

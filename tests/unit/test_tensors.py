@@ -15,6 +15,7 @@ from ps_common.tensors import (
     array_reader,
     bfloat16_bits_to_float32,
     check_narrowing,
+    count_non_finite,
     dtype_from_proto,
     dtype_to_proto,
     float32_to_bfloat16_bits,
@@ -374,10 +375,24 @@ def test_all_finite_takes_huge_finite_values_whose_sum_overflows():
     assert all_finite(values)
 
 
-def test_all_finite_hands_over_each_block_once_read():
-    seen = []
-    assert all_finite(np.ones(FINITE_BLOCK_ELEMENTS + 1, np.float32), seen.append)
-    assert [b.size for b in seen] == [FINITE_BLOCK_ELEMENTS, 1]
+def test_all_finite_checks_what_read_block_returns_for_each_block():
+    asked = []
+
+    def nan_in_the_second_block(block):
+        asked.append(block.size)
+        return np.full_like(block, np.nan) if len(asked) == 2 else block
+
+    values = np.ones(FINITE_BLOCK_ELEMENTS + 1, np.float32)
+    assert not all_finite(values, nan_in_the_second_block)
+    assert asked == [FINITE_BLOCK_ELEMENTS, 1]
+    assert all_finite(values, lambda block: block)
+
+
+def test_count_non_finite_counts_across_blocks():
+    values = np.ones(FINITE_BLOCK_ELEMENTS + 3, np.float32)
+    values[[0, FINITE_BLOCK_ELEMENTS - 1, FINITE_BLOCK_ELEMENTS + 2]] = [np.nan, np.inf, -np.inf]
+    assert count_non_finite(values) == 3
+    assert count_non_finite(values, lambda block: np.zeros_like(block)) == 0
 
 
 def test_a_chunk_of_several_data_pieces_is_one_data_field():
