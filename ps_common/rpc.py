@@ -80,12 +80,36 @@ def make_channel(address: str, token: str | None = None, tls: TLS | None = None)
     return with_token(channel, token)
 
 
-def make_server(max_workers: int = 16, interceptors=()) -> tuple[grpc.Server, futures.Executor]:
+# A parameter server's HTTP/2 receive window per call (ps-server --receive-window): how much
+# of a push a client may send before the server has taken it in. gRPC otherwise sizes the
+# window from the bandwidth-delay product it measures (at least 4 MiB, more on a fast link),
+# and on loopback that left up to 4 MiB per stream buffered in the transport beside what the
+# server holds: with 1 MiB, W2's server peaked at 1.23-1.26x its 64 MiB of values above idle
+# against 1.36-1.68x, as many round trips within the noise (benchmarks/RESULTS.md). A fixed
+# window caps a call's throughput at window / round-trip time: links with a larger
+# bandwidth-delay product want a larger window, or 0 (gRPC's own sizing).
+DEFAULT_RECEIVE_WINDOW_BYTES = 1 << 20
+MIN_RECEIVE_WINDOW_BYTES = 64 << 10  # HTTP/2's default initial window
+MAX_RECEIVE_WINDOW_BYTES = (1 << 31) - 1  # HTTP/2's largest
+
+
+def receive_window_options(nbytes: int) -> list[tuple[str, int]]:
+    """Channel arguments for a fixed receive window of `nbytes` (0: gRPC sizes it)."""
+    if nbytes == 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", nbytes)]
+
+
+def make_server(max_workers: int = 16, interceptors=(),
+                receive_window_bytes: int = 0) -> tuple[grpc.Server, futures.Executor]:
     """A gRPC server and its handler thread pool of `max_workers` threads (shut it down
     after the server stops). Each call in progress holds one thread, a stream for as long as
-    it is open: a server that bounds its streams sizes the pool above that bound."""
+    it is open: a server that bounds its streams sizes the pool above that bound.
+    `receive_window_bytes`: see DEFAULT_RECEIVE_WINDOW_BYTES (0: gRPC sizes it)."""
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc")
-    server = grpc.server(executor, options=SERVER_OPTIONS, interceptors=list(interceptors))
+    server = grpc.server(executor,
+                         options=SERVER_OPTIONS + receive_window_options(receive_window_bytes),
+                         interceptors=list(interceptors))
     return server, executor
 
 

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from ps_common import shm
-from ps_common.rpc import DEFAULT_CHUNK_BYTES, check_chunk_bytes, make_channel
+from ps_common.rpc import (
+    DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, MAX_RECEIVE_WINDOW_BYTES,
+    MIN_RECEIVE_WINDOW_BYTES, check_chunk_bytes, make_channel,
+)
 from ps_common.telemetry import MetricsEndpoint, PushSocketMetrics
 from ps_common.tls import TLS
 from ps_common.wire import shard_to_proto, shardmap_to_proto, spec_to_proto
@@ -63,6 +66,8 @@ class ServerConfig:
     # waits in a file in spill_dir (ps_server.push_staging). None: a quarter of the bytes
     # the server holds, at least 16 MiB. spill_dir None: the system's temporary directory.
     push_memory_bytes: int | None = None
+    # HTTP/2 receive window per call (ps_common.rpc.DEFAULT_RECEIVE_WINDOW_BYTES); 0: gRPC's
+    receive_window_bytes: int = DEFAULT_RECEIVE_WINDOW_BYTES
     spill_dir: str | None = None
     # Offer clients on this host the shared-memory data path (ps_server.shared_memory),
     # where the machine allows it (ps_common.shm.supported).
@@ -89,6 +94,11 @@ class ServerConfig:
             raise ValueError(f"--checkpoint-memory {self.checkpoint_memory_bytes} must be >= 0")
         if self.push_memory_bytes is not None and self.push_memory_bytes < 0:
             raise ValueError(f"--push-memory {self.push_memory_bytes} must be >= 0")
+        if self.receive_window_bytes != 0 and not (
+                MIN_RECEIVE_WINDOW_BYTES <= self.receive_window_bytes <= MAX_RECEIVE_WINDOW_BYTES):
+            raise ValueError(f"--receive-window {self.receive_window_bytes} must be 0 (gRPC "
+                             f"sizes it) or between {MIN_RECEIVE_WINDOW_BYTES} (64KiB) and "
+                             f"{MAX_RECEIVE_WINDOW_BYTES} bytes")
         if self.spill_dir is not None and not (
                 os.path.isdir(self.spill_dir) and os.access(self.spill_dir, os.W_OK | os.X_OK)):
             raise ValueError(f"--spill-dir {self.spill_dir}: not a directory this user can "
@@ -168,6 +178,7 @@ class ParameterServer:
                 max_workers=handler_threads(config.max_streams), companions=[self.streams],
                 drain=self.streams.drain,
                 token=config.token, tls=config.tls, metrics=self.metrics,
+                receive_window_bytes=config.receive_window_bytes,
             )
         except BaseException:  # e.g. the port is taken: leave no segment (and no port) behind
             if self.shared is not None:

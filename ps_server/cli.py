@@ -13,7 +13,7 @@ from ps_common.cli import (
     add_daemon_arguments, add_metrics_argument, add_shared_memory_argument, bind_of, fail,
     parse_address, parse_bytes, run_until_signal, setup_logging, tf_config_task,
 )
-from ps_common.rpc import DEFAULT_CHUNK_BYTES
+from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES
 from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import SERVER, TF_CONFIG_ENV, Task
 from ps_server.app import ParameterServer, ServerConfig
@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(pushes are applied all or nothing); a push past it waits in a file in "
                    "--spill-dir instead (default: a quarter of the bytes this server holds, "
                    "at least 16MiB)")
+    p.add_argument("--receive-window", type=parse_bytes, default=DEFAULT_RECEIVE_WINDOW_BYTES,
+                   metavar="SIZE",
+                   help="HTTP/2 receive window per call: how much of a push a client may send "
+                   "ahead of the server, buffered beside the values (default 1MiB; raise it "
+                   "to the link's bandwidth x round-trip time where that is larger; 0: gRPC "
+                   "sizes it from what it measures, at least 4MiB)")
     p.add_argument("--spill-dir", default=None, metavar="DIR",
                    help="where pushes past --push-memory wait (default: the system's "
                    "temporary directory, $TMPDIR or /tmp)")
@@ -101,6 +107,7 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
             max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             checkpoint_memory_bytes=args.checkpoint_memory,
             push_memory_bytes=args.push_memory, spill_dir=args.spill_dir,
+            receive_window_bytes=args.receive_window,
             shared_memory=not args.no_shm, token=token_of(parser, args),
             tls=tls_of(parser, args), metrics_port=args.metrics_port), task
     except ValueError as error:

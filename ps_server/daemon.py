@@ -38,7 +38,7 @@ class Daemon:
     def __init__(self, *, host: str, port: int, service_names: list[str], add_servicers,
                  interceptors=(), max_workers: int = 16, companions=(), drain=None,
                  token: str | None = None, tls: TLS | None = None,
-                 metrics: MetricsEndpoint | None = None):
+                 metrics: MetricsEndpoint | None = None, receive_window_bytes: int = 0):
         if tls is not None:
             tls.check_daemon()
         all_services = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -49,7 +49,8 @@ class Daemon:
                    else [RpcMetrics(metrics.registry, service_methods(all_services))])
         self.server, self._executor = make_server(
             max_workers=max_workers,
-            interceptors=[*counted, *server_interceptors(token), *interceptors])
+            interceptors=[*counted, *server_interceptors(token), *interceptors],
+            receive_window_bytes=receive_window_bytes)
         warn_if_open(host, token, tls, f"{service_names[0] if service_names else 'a daemon'}")
         self._companions = [*companions, *([metrics] if metrics is not None else [])]
         self._drain = drain
