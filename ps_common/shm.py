@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ps_common.errors import InvalidArgument
+
 DIRECTORY = Path("/dev/shm")
 PREFIX = "paramserve."
 MAGIC = 0x70617261_6D736572  # "paramser"
@@ -78,11 +80,10 @@ def owner_alive(name: str) -> bool:
 class Segment:
     """One mapped segment: `header` (8 uint64 words) and the `data` bytes after it."""
 
-    def __init__(self, path: Path, mapping: mmap.mmap, writable: bool, file=None):
+    def __init__(self, path: Path, mapping: mmap.mmap, writable: bool):
         self.path = path
         self.name = path.name
         self._mapping = mapping
-        self._file = file  # kept open for BlockReader (create(..., keep_file=True))
         self.writable = writable
         # Read-only for a client that mapped it read-only (PROT_READ).
         self.header = np.frombuffer(mapping, np.uint64, 8)
@@ -98,17 +99,25 @@ class Segment:
         return memoryview(self._mapping)[HEADER_BYTES:]
 
     def reader(self) -> "BlockReader | None":
-        """A BlockReader of this segment (None unless it was created with keep_file)."""
-        return None if self._file is None else BlockReader(self._mapping, self._file)
+        """A BlockReader of this segment, which opens its file until `finish()` (None: the
+        file is gone, e.g. unlinked as its connection ended; read through the mapping)."""
+        try:
+            file = open(self.path, "rb", buffering=0)
+        except FileNotFoundError:
+            return None
+        try:
+            return BlockReader(self._mapping, file, close=True)
+        except BaseException:
+            file.close()
+            raise
 
     @property
     def retired(self) -> bool:
         return bool(int(self.header[FLAGS]) & RETIRED)
 
 
-def create(name: str, nbytes: int, *, keep_file: bool = False) -> Segment:
+def create(name: str, nbytes: int) -> Segment:
     """A new segment with room for `nbytes` of data, owner-only, its space reserved.
-    `keep_file`: keep the file open for `Segment.reader()` (one descriptor per segment).
 
     The space is allocated up front (posix_fallocate) because a tmpfs that runs out of room
     (a container's 64 MiB /dev/shm) would otherwise kill the process with SIGBUS when it
@@ -124,14 +133,8 @@ def create(name: str, nbytes: int, *, keep_file: bool = False) -> Segment:
         os.close(fd)
         unlink(path)
         raise
-    file = None
-    if keep_file:
-        # Closed with the object (as the mapping is unmapped with its own), never by hand:
-        # a push still reading through it keeps its descriptor valid.
-        file = os.fdopen(fd, "rb", buffering=0)
-    else:
-        os.close(fd)
-    segment = Segment(path, mapping, writable=True, file=file)
+    os.close(fd)
+    segment = Segment(path, mapping, writable=True)
     segment.header[0] = MAGIC
     return segment
 
@@ -179,14 +182,23 @@ class BlockReader:
     Call it with a view into the mapping (`block`): it returns an array of the same dtype,
     shape and contents, valid until the next call. A block that is not a contiguous view
     into the mapping (a converted copy) is returned as it is. Call `finish()` at the end of
-    the push: whatever was read through the mapping after all (an error's count of the bad
-    values, a conversion of a narrowed dtype) is dropped from this process's memory."""
+    the push: whatever was read through the mapping after all (a narrowed dtype's
+    conversion, a sync step's sum, a row push's) is dropped from this process's memory, and
+    with `close`, `file` is closed.
 
-    def __init__(self, mapping: mmap.mmap, file):
+    Raises InvalidArgument when the file is shorter than the mapping (a client truncated its
+    slot): before anything is read, so that nothing of the push is applied."""
+
+    def __init__(self, mapping: mmap.mmap, file, *, close: bool = False):
         self._mapping = mapping
-        self._file = file  # an open file object over the mapped file: owns its descriptor
-        self._base = np.frombuffer(mapping, np.uint8).ctypes.data
+        self._file = file  # an open file object over the mapped file
+        self._close = close
         self._size = len(mapping)
+        if os.fstat(file.fileno()).st_size < self._size:
+            raise InvalidArgument(f"a push's file holds {os.fstat(file.fileno()).st_size} "
+                                  f"bytes, fewer than the {self._size} it was made with; "
+                                  "nothing was applied")
+        self._base = np.frombuffer(mapping, np.uint8).ctypes.data
         self._buffer = np.empty(0, np.uint8)
 
     def __call__(self, block: np.ndarray) -> np.ndarray:
@@ -208,3 +220,5 @@ class BlockReader:
 
     def finish(self) -> None:
         self._mapping.madvise(mmap.MADV_DONTNEED, 0, self._size)
+        if self._close:
+            self._file.close()

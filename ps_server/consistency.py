@@ -223,9 +223,10 @@ class StepGate:
     # ---- sync ----------------------------------------------------------------------------
 
     def contribute(self, contribution: Contribution, step: int, targets: list,
-                   grads: list[np.ndarray]) -> PushOutcome:
+                   grads: list[np.ndarray], copied=None) -> PushOutcome:
         """sync: add a push's gradients (copied) to `step`, and wait until the step's
-        average has been applied. A gradient for a step already applied is dropped."""
+        average has been applied. A gradient for a step already applied is dropped.
+        `copied()`, if given, is called once `grads` are no longer needed, before the wait."""
         started = self._clock()
         client_id = contribution.client_id
         with self._changed:
@@ -247,6 +248,8 @@ class StepGate:
                     else:
                         entry[1] += grad
                         entry[2] += 1
+            if copied is not None:
+                copied()
             self._maybe_apply()
             deadline = started + self._wait_s
             while self._step <= step:

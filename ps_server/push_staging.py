@@ -6,9 +6,10 @@ within its bound (`--push-memory`; by default a quarter of the bytes the server 
 least MIN_PUSH_MEMORY). A push that would take it past the bound waits in an unlinked
 temporary file instead (`--spill-dir`), written as its chunks arrive; the update then reads
 it back a block at a time with pread into a buffer it reuses (ps_common.shm.BlockReader),
-so that the file's pages never become resident in the server. Without this, a whole-variable push of a 3 GiB shard needs
-3 GiB of memory beside the shard. With it, the server's RSS stays near the bytes it holds;
-the staged bytes sit in the page cache, which the kernel may write back and reclaim. The
+so that the file's pages never become resident in the server. Without this, a
+whole-variable push of a 3 GiB shard needs 3 GiB of memory beside the shard. With it, the
+server's RSS stays near the bytes it holds; the staged bytes sit in the page cache, which
+the kernel may write back and reclaim. The
 file is unlinked from the start, so nothing is left behind even by a killed server.
 
 Pushes that arrive in one message (most) are read in place and never staged.

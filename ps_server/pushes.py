@@ -95,20 +95,22 @@ class PushReceiver:
         """The same for a push whose tensors lie back to back at the start of `data` (a
         client's push slot in shared memory): read in place, no copy. `reader` (a
         ps_common.shm.BlockReader of a large slot) reads each block from the slot's file
-        instead, so that the slot never becomes resident in this process."""
-        _check_identity(header)
-        if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
-            return self._duplicate(header)
-        targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
-        total = sum(meta.nbytes for meta in header.metas)
-        if total > len(data):
-            raise InvalidArgument(f"push names {total} bytes of tensors but its shared-memory "
-                                  f"slot holds {len(data)}")
-        grads, offset = [], 0
-        for meta, held in zip(header.metas, targets):
-            grads.append(_decode(data[offset:offset + meta.nbytes], meta, held.spec.dtype))
-            offset += meta.nbytes
+        instead, so that the slot does not become resident in this process; it is finished
+        however the push ends."""
         try:
+            _check_identity(header)
+            if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
+                return self._duplicate(header)
+            targets = self._store.plan_push(header.epoch, header.refs, header.metas,
+                                            header.row_ids)
+            total = sum(meta.nbytes for meta in header.metas)
+            if total > len(data):
+                raise InvalidArgument(f"push names {total} bytes of tensors but its "
+                                      f"shared-memory slot holds {len(data)}")
+            grads, offset = [], 0
+            for meta, held in zip(header.metas, targets):
+                grads.append(_decode(data[offset:offset + meta.nbytes], meta, held.spec.dtype))
+                offset += meta.nbytes
             return self._apply(header, targets, grads, reader)
         finally:
             if reader is not None:
@@ -126,9 +128,12 @@ class PushReceiver:
                 raise InvalidArgument(
                     "a row push (push_rows) in the sync mode: sync combines whole-variable "
                     "gradients only; train embedding tables in async or ssp:K")
+            # The step's sum holds a copy: a slot read through its mapping is dropped from
+            # this process before the wait for the other clients, not after it.
             return self.steps.contribute(
                 Contribution(header.client_id, header.incarnation, header.sequence,
-                             header.acked_through), header.step, targets, grads)
+                             header.acked_through), header.step, targets, grads,
+                copied=getattr(read_block, "finish", None))
         # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
         # checkpoint with its ledger entry, or not at all.
         with self._store.gate.shared(), self._ledger.exactly_once(

@@ -218,7 +218,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if segment is None:
             return pb.PushSharedReply(connection_lost=True)
         outcome = self._pushes.receive_shared(_push_header(request.header), segment.data,
-                                              segment.reader())
+                                              self._shared.reader(segment))
         return pb.PushSharedReply(reply=_push_reply(outcome))
 
     # ---- consistency modes (ps_server.consistency) ---------------------------------------

@@ -203,11 +203,16 @@ class SharedMemory:
             if len(connection.slots) >= MAX_SLOTS_PER_CONNECTION:
                 raise Overloaded(f"connection of {connection.client_id} holds "
                                  f"{MAX_SLOTS_PER_CONNECTION} push slots already")
-            segment = shm.create(self._name("slot"), nbytes,
-                                 keep_file=nbytes >= READ_SLOTS_FROM_FILE_BYTES)
+            segment = shm.create(self._name("slot"), nbytes)
             slot = next(_SERIAL)
             connection.slots[slot] = segment
         return slot, segment
+
+    @staticmethod
+    def reader(segment: shm.Segment) -> shm.BlockReader | None:
+        """How the server reads a push from `segment`: a BlockReader for a large slot, None
+        (through the mapping) for the others."""
+        return segment.reader() if segment.nbytes >= READ_SLOTS_FROM_FILE_BYTES else None
 
     def slot(self, connection: Connection, slot: int) -> shm.Segment | None:
         """The connection's push slot (None: the connection has ended)."""

@@ -607,31 +607,6 @@ def test_push_overflowing_the_wire_dtype_changes_nothing(make_cluster, grad_dtyp
         assert_same_values(before, pull_all(ps))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-@pytest.mark.parametrize("where", ["first", "last"])
-@pytest.mark.parametrize("dtype,wire,bad", [
-    ("float32", None, np.nan), ("float32", None, -np.inf), ("float16", None, np.inf),
-    ("float32", "float16", 1e5), ("float32", "bfloat16", np.nan),
-], ids=["f32-nan", "f32-inf", "f16-inf", "f32-overflowing-f16", "f32-nan-as-bf16"])
-def test_a_push_to_one_server_with_a_non_finite_value_is_refused_before_it_is_sent(
-        make_cluster, where, dtype, wire, bad):
-    """A push to one server is checked as it is written into its push slot (or before it
-    goes over gRPC): a bad value in any block, the first or the last of a gradient of
-    several blocks, refuses it in the client with nothing applied, and the next push goes."""
-    cluster = make_cluster(servers=1)
-    with PSClient(cluster.coordinator_address) as ps:
-        ps.declare("big", shape=(1000, 300), dtype=dtype, optimizer=SGD1)  # several blocks
-        before = ps.pull("big")
-        grad = np.ones((1000, 300), np.float32 if wire else dtype)
-        grad[(0, 0) if where == "first" else (-1, -1)] = bad
-        err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push, {"big": grad},
-                           wire_dtype=wire)
-        assert err.target == "client" and "'big'" in str(err) and "non-finite" in str(err)
-        np.testing.assert_array_equal(ps.pull("big"), before)
-        ps.push({"big": np.ones((1000, 300), dtype)})
-        np.testing.assert_array_equal(ps.pull("big"), before - np.ones((), dtype))
-
-
 def test_non_finite_accepted_when_allowed(make_cluster):
     cluster = make_cluster(servers=2, split_threshold_bytes=100, allow_non_finite=True)
     with PSClient(cluster.coordinator_address, allow_non_finite=True) as ps:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ps_common import rpc
 from ps_common.rpc import DEFAULT_RECEIVE_WINDOW_BYTES, receive_window_options
-from ps_server.app import ServerConfig
+from ps_server.app import ParameterServer, ServerConfig
 from ps_server.cli import build_parser, config_from_args
 from ps_worker import PSClient
 
@@ -33,6 +34,28 @@ def test_pushes_and_pulls_larger_than_the_window_are_exact(make_cluster, window)
             np.testing.assert_array_equal(ps.pull(name), -grad)
             ps.push_pull({name: grad}, name)
             np.testing.assert_array_equal(ps.pull(name), -2 * grad)
+
+
+@pytest.mark.parametrize("window", [DEFAULT_RECEIVE_WINDOW_BYTES, 4 << 20, 0])
+def test_the_window_reaches_the_servers_grpc_options(window, monkeypatch):
+    made = []
+    real = rpc.grpc.server
+
+    def recording(*args, **kwargs):
+        made.append(dict(kwargs["options"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rpc.grpc, "server", recording)
+    server = ParameterServer(ServerConfig(receive_window_bytes=window, shared_memory=False))
+    server.stop(0)
+    (options,) = made
+    if window:
+        assert options["grpc.http2.bdp_probe"] == 0
+        assert options["grpc.http2.lookahead_bytes"] == window
+    else:  # gRPC's own sizing: neither option set
+        assert "grpc.http2.bdp_probe" not in options
+        assert "grpc.http2.lookahead_bytes" not in options
+    assert options["grpc.keepalive_time_ms"] == rpc.KEEPALIVE_TIME_MS  # the others kept
 
 
 def test_the_flag_sets_the_window_and_its_default_is_one_mebibyte():

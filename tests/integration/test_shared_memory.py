@@ -173,6 +173,50 @@ def test_pulls_make_no_call_pushes_go_as_push_shared_and_values_equal_grpc(make_
         assert calls(cluster, "Pull") > 0  # the gRPC client did pull over the wire
 
 
+def test_a_large_push_slot_is_read_from_its_file_and_refused_whole_for_a_bad_value(
+        make_cluster, monkeypatch):
+    """A slot of READ_SLOTS_FROM_FILE_BYTES or more is read by the server with pread
+    (ps_common.shm.BlockReader), by the check and by the update: a NaN in its last block,
+    from a client that does not check (allow_non_finite), is refused by the server with
+    nothing applied; a good push after it is applied exactly, and every file the reads
+    opened is closed again."""
+    read = []
+    original = shm.BlockReader.__call__
+
+    def counting(self, block):
+        read.append(block.nbytes)
+        return original(self, block)
+
+    monkeypatch.setattr(shm.BlockReader, "__call__", counting)
+    cluster = make_cluster(servers=1)
+    n = server_shm.READ_SLOTS_FROM_FILE_BYTES // 4 + 3  # a few bytes past the bound
+    with PSClient(cluster.coordinator_address, allow_non_finite=True) as lax:
+        lax.declare("big", shape=(n,), init="zeros", optimizer=SGD1)
+        grad = np.ones(n, np.float32)
+        grad[-1] = np.nan
+        with pytest.raises(RemoteError) as refused:
+            lax.push({"big": grad})
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.target != "client" and "non-finite" in str(refused.value)
+        # The check, then the count of bad values for the message; no update.
+        assert sum(read) == 2 * n * 4
+        np.testing.assert_array_equal(lax.pull("big"), np.zeros(n, np.float32))
+
+        read.clear()
+        grad[-1] = 2.0
+        lax.push({"big": grad})
+        assert sum(read) == 2 * n * 4  # the check, then the update
+        expected = -np.ones(n, np.float32)
+        expected[-1] = -2.0
+        np.testing.assert_array_equal(lax.pull("big"), expected)
+        assert lax.data_paths == {s.address: "shm" for s in cluster.servers}
+        (slot,) = [entry for entry in shm.DIRECTORY.iterdir()
+                   if entry.name.startswith(own_prefix()) and entry.name.endswith(".slot")]
+        # Each mapping holds a descriptor (the server's and the client's): no reader's.
+        assert sum(os.path.realpath(f"/proc/self/fd/{fd}") == str(slot)
+                   for fd in os.listdir("/proc/self/fd")) == 2
+
+
 def test_segments_are_owner_only_and_removed_when_the_cluster_stops(stub_of):
     before = own_segments()
     with InProcessCluster(servers=2) as cluster:

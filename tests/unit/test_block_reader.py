@@ -8,6 +8,7 @@ may become resident, and the values must be exactly what was written.
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from ps_common import shm
+from ps_common.errors import InvalidArgument
 from ps_common.shardmap import Component, VariableSpec
 from ps_common.tensors import all_finite, count_non_finite
 from ps_server.optimizers import apply_update, make_state, resolve_knobs
@@ -23,6 +25,18 @@ pytestmark = pytest.mark.skipif(shm.supported() is not None,
                                 reason=f"no shared memory here: {shm.supported()}")
 
 ELEMENTS = 3 << 20  # 12 MiB of float32: several blocks of every reader
+
+
+def open_descriptors_of(path: Path) -> int:
+    """How many of this process's file descriptors are open on `path` (each mapping holds
+    one too: Python's mmap keeps a duplicate of the descriptor it was made from)."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            count += os.readlink(fd) == str(path)
+        except OSError:  # closed meanwhile (e.g. the descriptor listing the directory)
+            pass
+    return count
 
 
 def resident_kib(array: np.ndarray) -> int:
@@ -48,8 +62,7 @@ def resident_kib(array: np.ndarray) -> int:
 def written_segment():
     """A segment made as a server makes a large push slot, written through a second mapping
     (as the client writes it), and the array that was written."""
-    segment = shm.create(f"{shm.PREFIX}test.{uuid.uuid4().hex}.slot", ELEMENTS * 4,
-                         keep_file=True)
+    segment = shm.create(f"{shm.PREFIX}test.{uuid.uuid4().hex}.slot", ELEMENTS * 4)
     try:
         writer = shm.attach(segment.name, writable=True)
         grad = np.random.default_rng(0).standard_normal(ELEMENTS).astype(np.float32)
@@ -62,8 +75,10 @@ def written_segment():
 def test_a_check_and_an_update_read_through_it_leave_nothing_resident(written_segment):
     segment, grad = written_segment
     view = segment.array(np.float32, (ELEMENTS,))
+    mappings = open_descriptors_of(segment.path)
     reader = segment.reader()
     assert reader is not None
+    assert open_descriptors_of(segment.path) == mappings + 1
     header_page = resident_kib(view)  # the segment's header, which create() wrote
     assert header_page <= 4
 
@@ -78,6 +93,7 @@ def test_a_check_and_an_update_read_through_it_leave_nothing_resident(written_se
     reader.finish()
     assert resident_kib(view) == 0
     np.testing.assert_array_equal(view, grad)  # the slot itself was not used as scratch
+    assert open_descriptors_of(segment.path) == mappings
 
 
 def test_finish_drops_what_was_read_through_the_mapping(written_segment):
@@ -98,6 +114,7 @@ def test_a_block_that_is_not_in_the_mapping_is_returned_as_it_is(written_segment
     assert reader(elsewhere) is elsewhere
     strided = segment.array(np.float32, (ELEMENTS,))[::2]
     assert reader(strided) is strided
+    reader.finish()
 
 
 def test_it_reads_the_bytes_a_later_write_put_there(written_segment):
@@ -110,11 +127,29 @@ def test_it_reads_the_bytes_a_later_write_put_there(written_segment):
     assert block.dtype == np.float32 and block.shape == (6,)
     assert count_non_finite(view[:16], reader) == 2
     assert not all_finite(view, reader)
+    reader.finish()
 
 
-def test_only_a_segment_made_with_keep_file_has_a_reader():
+def test_a_segment_whose_file_is_gone_has_no_reader():
     segment = shm.create(f"{shm.PREFIX}test.{uuid.uuid4().hex}.slot", 64)
-    try:
-        assert segment.reader() is None
-    finally:
-        shm.unlink(segment.path)
+    shm.unlink(segment.path)
+    assert segment.reader() is None
+
+
+def test_a_file_shorter_than_its_mapping_is_refused_before_anything_is_read(written_segment):
+    segment, _ = written_segment
+    os.truncate(segment.path, 4096)  # a client that truncated its slot
+    mappings = open_descriptors_of(segment.path)
+    with pytest.raises(InvalidArgument, match="fewer than"):
+        segment.reader()
+    assert open_descriptors_of(segment.path) == mappings
+
+
+def test_finish_closes_the_file_it_opened(written_segment):
+    segment, _ = written_segment
+    mappings = open_descriptors_of(segment.path)
+    reader = segment.reader()
+    assert open_descriptors_of(segment.path) == mappings + 1
+    reader(segment.array(np.float32, (ELEMENTS,))[:10])
+    reader.finish()
+    assert open_descriptors_of(segment.path) == mappings

@@ -247,6 +247,21 @@ def test_a_push_from_a_client_that_has_not_joined_is_refused():
 
 # ---- sync -----------------------------------------------------------------------------------
 
+def test_sync_calls_copied_once_the_gradients_are_summed_before_it_waits(spawn):
+    """A push read from a shared-memory slot is dropped from the server's memory by
+    `copied`: it must come before the wait for the other clients, once per push."""
+    recorder, gate = sync_gate("ab")
+    copied = []
+    a = spawn(lambda: gate.contribute(contribution("a"), 0, [T0], grads([1.0]),
+                                      copied=lambda: copied.append("a")))
+    blocked(gate, 1, "a waits for b's gradient")
+    assert copied == ["a"] and not a.done.is_set()
+    gate.contribute(contribution("b"), 0, [T0], grads([3.0]), copied=lambda: copied.append("b"))
+    assert a.result().next_step == 1
+    assert copied == ["a", "b"]
+    np.testing.assert_array_equal(recorder.calls[0][2][0], np.float32([2.0]))
+
+
 def test_sync_applies_the_average_of_both_members_gradients_once_per_step(spawn):
     recorder = Recorder()
     gate = make_gate(recorder)
