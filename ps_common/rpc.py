@@ -86,9 +86,9 @@ def make_channel(address: str, token: str | None = None, tls: TLS | None = None)
 # and on loopback that left up to 4 MiB per stream buffered in the transport beside what the
 # server holds: with 1 MiB, W2's server peaked at 1.23-1.26x its 64 MiB of values above idle
 # against 1.36-2.01x, for about 5% fewer round trips, within the runs' spread
-# (benchmarks/RESULTS.md). A fixed
-# window caps a call's throughput at window / round-trip time: links with a larger
-# bandwidth-delay product want a larger window, or 0 (gRPC's own sizing).
+# (benchmarks/RESULTS.md). A fixed window caps a call's throughput at window / round-trip
+# time: links with a larger bandwidth-delay product want a larger window, or 0 (gRPC's own
+# sizing).
 DEFAULT_RECEIVE_WINDOW_BYTES = 1 << 20
 MIN_RECEIVE_WINDOW_BYTES = 64 << 10  # about HTTP/2's default initial window (65,535)
 MAX_RECEIVE_WINDOW_BYTES = (1 << 31) - 1  # HTTP/2's largest

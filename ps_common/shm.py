@@ -194,10 +194,10 @@ class BlockReader:
         self._file = file  # an open file object over the mapped file
         self._close = close
         self._size = len(mapping)
-        if os.fstat(file.fileno()).st_size < self._size:
-            raise InvalidArgument(f"a push's file holds {os.fstat(file.fileno()).st_size} "
-                                  f"bytes, fewer than the {self._size} it was made with; "
-                                  "nothing was applied")
+        held = os.fstat(file.fileno()).st_size
+        if held < self._size:
+            raise InvalidArgument(f"a push's file holds {held} bytes, fewer than the "
+                                  f"{self._size} it was made with; nothing was applied")
         self._base = np.frombuffer(mapping, np.uint8).ctypes.data
         self._buffer = np.empty(0, np.uint8)
 

@@ -121,26 +121,21 @@ def all_finite(values: np.ndarray, read_block=None) -> bool:
     exactly when all of its elements are (NaN propagates through both): two passes at memory
     speed, no temporary. `read_block(block)`, if given, returns the contents of each block
     to check (ps_common.shm.BlockReader: read from a file instead of a mapping)."""
-    flat = values.reshape(-1)
-    for start in range(0, flat.size, FINITE_BLOCK_ELEMENTS):
-        block = flat[start:start + FINITE_BLOCK_ELEMENTS]
-        if read_block is not None:
-            block = read_block(block)
-        if not (np.isfinite(block.max()) and np.isfinite(block.min())):
-            return False
-    return True
+    return all(np.isfinite(block.max()) and np.isfinite(block.min())
+               for block in _finite_blocks(values, read_block))
 
 
 def count_non_finite(values: np.ndarray, read_block=None) -> int:
     """How many elements are NaN or +-Inf (for an error message), a block at a time."""
+    return sum(block.size - int(np.count_nonzero(np.isfinite(block)))
+               for block in _finite_blocks(values, read_block))
+
+
+def _finite_blocks(values: np.ndarray, read_block) -> Iterator[np.ndarray]:
     flat = values.reshape(-1)
-    bad = 0
     for start in range(0, flat.size, FINITE_BLOCK_ELEMENTS):
         block = flat[start:start + FINITE_BLOCK_ELEMENTS]
-        if read_block is not None:
-            block = read_block(block)
-        bad += block.size - int(np.count_nonzero(np.isfinite(block)))
-    return bad
+        yield block if read_block is None else read_block(block)
 
 
 def view_bytes(buffer, meta: TensorMeta) -> np.ndarray:
