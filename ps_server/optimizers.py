@@ -115,7 +115,9 @@ def apply_update(
     dtype = compute_dtype(spec.dtype)
     widen = dtype != w.dtype
     scratch = np.empty(min(BLOCK_ELEMENTS, w.size), dtype=dtype)
-    grad_block = None  # block-sized: the copy stays in cache, unlike a copy of the whole
+    # A read-only block is copied into a block-sized buffer (made on first need): the copy
+    # stays in cache, unlike a copy of the whole gradient.
+    grad_block = None
     kind = spec.optimizer.name
     step = _STEPS[kind]
     constants = _constants(kind, knobs, state.steps)

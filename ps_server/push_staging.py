@@ -9,8 +9,8 @@ it back a block at a time with pread into a buffer it reuses (ps_common.shm.Bloc
 so that the file's pages never become resident in the server. Without this, a
 whole-variable push of a 3 GiB shard needs 3 GiB of memory beside the shard. With it, the
 server's RSS stays near the bytes it holds; the staged bytes sit in the page cache, which
-the kernel may write back and reclaim. The
-file is unlinked from the start, so nothing is left behind even by a killed server.
+the kernel may write back and reclaim. The file is unlinked from the start, so nothing is
+left behind even by a killed server.
 
 Pushes that arrive in one message (most) are read in place and never staged.
 """
