@@ -98,6 +98,11 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+def wire_bytes(values: np.ndarray, wire_dtype: str) -> memoryview:
+    """`values` encoded in `wire_dtype`, as bytes: a view when no conversion is needed."""
+    return memoryview(to_wire(values, wire_dtype).reshape(-1).view(np.uint8))
+
+
 def to_wire(values: np.ndarray, wire_dtype: str) -> np.ndarray:
     """`values` as a C-contiguous array of the wire's raw element type (no copy if it is one)."""
     if wire_dtype == "bfloat16":
@@ -311,14 +316,28 @@ def encode_chunk(header: bytes | None, data, attached: bytes | None = None) -> b
     reply)."""
     pieces = data if isinstance(data, list) else [data]
     size = sum(memoryview(piece).nbytes for piece in pieces)
+    parts = [chunk_prefix(header, size)]
+    if size:
+        parts += pieces
+    if attached is not None:
+        parts.append(attached_field(attached))
+    return b"".join(parts)
+
+
+def chunk_prefix(header: bytes | None, data_size: int) -> bytes:
+    """What comes before the `data_size` bytes of data in a chunk message: the header field,
+    and the data field's tag and length (none for empty data, as protobuf writes it)."""
     parts = []
     if header is not None:
         parts += [_HEADER_TAG, _varint(len(header)), header]
-    if size:
-        parts += [_DATA_TAG, _varint(size), *pieces]
-    if attached is not None:
-        parts += [_ATTACHED_TAG, _varint(len(attached)), attached]
+    if data_size:
+        parts += [_DATA_TAG, _varint(data_size)]
     return b"".join(parts)
+
+
+def attached_field(attached) -> bytes:
+    """Field 3 of a chunk message, `attached` its serialized message: it goes last."""
+    return b"".join([_ATTACHED_TAG, _varint(len(attached)), attached])
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_common.status import translate_errors
 from ps_common.tensors import (
     ByteReader, Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
-    encode_chunk, iter_chunks, to_wire,
+    encode_chunk, iter_chunks, wire_bytes,
 )
 from ps_common.wire import shard_to_proto, shardmap_from_proto
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -32,6 +32,7 @@ from ps_server.restore import ShardRestore
 from ps_server.shared_memory import SharedMemory
 from ps_server.store import CheckedRead, HeldShard, ShardStore
 from ps_server.streams import StreamLimiter
+from ps_server.unary_pulls import RememberedPull, UnaryPulls
 
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._pull_copies = PullCopies(self._buffers, ByteBudget(pull_copy_bytes))
         self.push_staging = PushStaging(self._buffers, store.nbytes, push_memory_bytes, spill_dir)
         self._pushes = PushReceiver(store, ledger, self.push_staging)
+        self._unary_pulls = UnaryPulls(store)
         if shared is not None:
             shared.serve_pushes(self._push_shared if push_socket_filter is None
                                 else push_socket_filter(self._push_shared))
@@ -107,9 +109,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     # Unary calls hold a handler thread only while the server works on them (never while
     # waiting on the peer), so they need no stream slot and no idle watchdog.
 
-    def PullUnary(self, request: pb.PullRequest, context):
+    def PullUnary(self, request: bytes, context):
+        """`request`: a serialized PullRequest (see `add_to_server`)."""
+        # A remembered pull is answered first, with nothing to parse or check (and nothing
+        # that can raise): see ps_server.unary_pulls.
+        pull = self._unary_pulls.find(request)
+        if pull is not None:
+            return pull.answer()
         with translate_errors(context, "PullUnary"):
-            return self._one_message(self._check_unary_pull(request, "PullUnary"))
+            return self._one_message(self._checked_unary_pull(request, "PullUnary"))
 
     def PushUnary(self, chunk: Chunk | InvalidArgument, context):
         with translate_errors(context, "PushUnary"):
@@ -125,14 +133,25 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if chunk.header is None or chunk.attached is None:
                 raise InvalidArgument("PushThenPull must carry a push header and a pull")
             header = _push_header(_parse_header(chunk.header))
-            try:
-                pull = pb.PullRequest.FromString(chunk.attached)
-            except DecodeError:
-                raise InvalidArgument("malformed pull request in PushThenPull") from None
             # The pull is checked first: a request that would fail changes nothing.
-            checked = self._check_unary_pull(pull, "PushThenPull")
+            checked = self._checked_unary_pull(bytes(chunk.attached), "PushThenPull")
             pushed = _push_reply(self._pushes.receive_whole(header, chunk.data))
             return self._one_message(checked, pushed.SerializeToString())
+
+    def _checked_unary_pull(self, raw: bytes, method: str
+                            ) -> RememberedPull | list[CheckedRead]:
+        """A one-message pull, parsed and checked (remembered, for whole shards), or found
+        remembered: raises as the store does."""
+        pull = self._unary_pulls.find(raw)
+        if pull is not None:
+            return pull
+        try:
+            request = pb.PullRequest.FromString(raw)
+        except DecodeError:
+            raise InvalidArgument(f"malformed pull request in {method}") from None
+        version = self._store.placement_version  # before the check: see remember()
+        checked = self._check_unary_pull(request, method)
+        return self._unary_pulls.remember(raw, version, checked) or checked
 
     def _check_unary_pull(self, request: pb.PullRequest, method: str) -> list[CheckedRead]:
         wire = (dtype_from_proto(request.wire_dtype, what="pull wire_dtype")
@@ -148,8 +167,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                   f"may carry ({MAX_CHUNK_BYTES} bytes); use Pull")
         return checked
 
-    def _one_message(self, checked: list[CheckedRead], attached: bytes | None = None) -> bytes:
+    def _one_message(self, checked: RememberedPull | list[CheckedRead],
+                     attached: bytes | None = None) -> bytes:
         """A checked pull's answer in one message (with `attached` as its field 3)."""
+        if isinstance(checked, RememberedPull):
+            return checked.answer(attached)
         plan = self._store.read_pull(checked)
         header = pb.PullHeader(
             tensors=[meta.to_proto() for _, meta, _ in plan]).SerializeToString()
@@ -162,7 +184,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             lock.acquire()
         try:
             return encode_chunk(header, [
-                _wire_bytes(held.values if rows is None else rows, meta.dtype)
+                wire_bytes(held.values if rows is None else rows, meta.dtype)
                 for held, meta, rows in plan], attached)
         finally:
             for lock in locks:
@@ -266,6 +288,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             outcome = self._store.assign(
                 shard_map.epoch, shard_map.variables, mine, restore,
                 frozenset((r.variable, r.index) for r in request.superseded))
+            self._unary_pulls.forget()
             self._fence.remember_map(shard_map)
             if restore is not None:
                 for held in restore.created.values():
@@ -373,12 +396,6 @@ class _PullSource:
         self._finished.clear()
 
 
-def _wire_bytes(values: np.ndarray, wire_dtype: str) -> memoryview:
-    """`values` encoded in `wire_dtype`, as bytes: a view when no conversion is needed."""
-    encoded = to_wire(values, wire_dtype)
-    return memoryview(encoded.reshape(-1).view(np.uint8))
-
-
 def _parse_header(raw) -> pb.PushHeader:
     try:
         return pb.PushHeader.FromString(raw)
@@ -456,7 +473,7 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             servicer.Push, request_deserializer=_decode_push_chunk,
             response_serializer=pb.PushReply.SerializeToString),
         "PullUnary": grpc.unary_unary_rpc_method_handler(
-            servicer.PullUnary, request_deserializer=pb.PullRequest.FromString,
+            servicer.PullUnary, request_deserializer=None,  # its bytes are its cache key
             response_serializer=_identity),
         "PushUnary": grpc.unary_unary_rpc_method_handler(
             servicer.PushUnary, request_deserializer=_decode_push_chunk,

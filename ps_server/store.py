@@ -169,6 +169,9 @@ class ShardStore:
         self.memory = memory or PlainMemory()
         self._shards: dict[tuple[str, int], HeldShard] = {}
         self._epoch = 0
+        # Bumped (under `_lock`) whenever the shards held or the epoch change: what was
+        # checked against one placement holds while this is unchanged (ps_server.unary_pulls).
+        self.placement_version = 0
         self._lock = threading.Lock()
         self._assign_lock = threading.Lock()
         # Pushes hold it shared from applying to recording in the ledger; a checkpoint's cut
@@ -287,6 +290,7 @@ class ShardStore:
                             and held.shard == wanted[key] and held.spec == specs[key[0]]}
                     self._shards = {**kept, **created}
                     self._epoch = epoch
+                    self.placement_version += 1
                 self.memory.set_epoch(epoch)
                 for key, held in current.items():
                     if kept.get(key) is not held:

@@ -45,6 +45,7 @@ from ps_common.tensors import (
     dtype_to_proto, encode_chunk, from_wire, iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
+from ps_worker.one_call_pulls import MAX_KEPT as MAX_KEPT_PULLS, OneCallPull
 from ps_worker.shared_memory import HandshakeFailed, ConnectionLost, SharedConnection
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
@@ -88,6 +89,8 @@ class _DataPath:
         self.PullUnary = channel.unary_unary(
             method + "PullUnary", request_serializer=ps_pb.PullRequest.SerializeToString,
             response_deserializer=decode_chunk)
+        # Bytes in, bytes out: ps_worker.one_call_pulls.
+        self.PullUnaryBytes = channel.unary_unary(method + "PullUnary")
         self.PushUnary = channel.unary_unary(
             method + "PushUnary", request_serializer=_identity,
             response_deserializer=ps_pb.PushReply.FromString)
@@ -159,6 +162,12 @@ class _PullAlong:
         self.done = True
 
 
+def _pull_request(epoch: int, shards: list[Shard], wire_dtype: str | None) -> ps_pb.PullRequest:
+    return ps_pb.PullRequest(
+        epoch=epoch, shards=[ps_pb.ShardRef(variable=s.variable, index=s.index) for s in shards],
+        wire_dtype=dtype_to_proto(wire_dtype) if wire_dtype else 0)
+
+
 class _DensePull:
     """One server's part of a pull of whole variables: its request, the arrays its tensors
     land in (the outputs themselves where the bytes are already the values), and `finish`,
@@ -183,10 +192,7 @@ class _DensePull:
         self.nbytes = sum(d.nbytes for d in self.destinations)
 
     def request(self) -> ps_pb.PullRequest:
-        return ps_pb.PullRequest(
-            epoch=self._epoch,
-            shards=[ps_pb.ShardRef(variable=s.variable, index=s.index) for s in self._shards],
-            wire_dtype=dtype_to_proto(self._wire_dtype) if self._wire_dtype else 0)
+        return _pull_request(self._epoch, self._shards, self._wire_dtype)
 
     def finish(self) -> None:
         for rows, raw, wire in self._conversions:
@@ -300,6 +306,8 @@ class PSClient:
         self._paths: dict[str, str] = {}
         # address -> when a failed shared-memory handshake may be tried again
         self._handshake_retry_at: dict[str, float] = {}
+        # (names, wire dtype) -> the pull one call answers (ps_worker.one_call_pulls)
+        self._one_call_pulls: dict[tuple, OneCallPull] = {}
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -393,6 +401,7 @@ class PSClient:
         self._prefetch_pool.shutdown(wait=True)
         self._rpc_pool.shutdown(wait=True)
         self._release_incarnation()
+        self._one_call_pulls.clear()
         with self._lock:
             connections = [x for x in self._shared.values() if x is not None]
             self._shared.clear()
@@ -533,6 +542,15 @@ class PSClient:
         """
         single = isinstance(names, str)
         wanted = [names] if single else list(dict.fromkeys(names))
+        key = (tuple(wanted), wire_dtype)
+        kept = self._one_call_pulls.get(key)
+        if kept is not None and kept.shard_map is self._map:
+            try:
+                outputs = self._pull_one_call(kept, out)
+                return outputs[0] if single else dict(zip(wanted, outputs))
+            except RemoteError as error:
+                if not self._map_moved(kept.shard_map, error):
+                    raise
         for _ in range(MAX_MAP_REFRESHES):
             shard_map = self._map_with(wanted)
             outputs = self._pull_outputs(shard_map, wanted, out, wire_dtype)
@@ -543,9 +561,45 @@ class PSClient:
                 if not self._map_moved(shard_map, error):
                     raise
                 continue
+            self._keep_one_call_pull(key, shard_map, wanted, wire_dtype)
             return outputs[names] if single else outputs
         raise _local_error(grpc.StatusCode.ABORTED,
                            f"shard map kept changing during {MAX_MAP_REFRESHES} pull attempts")
+
+    def _pull_one_call(self, pull: OneCallPull, out: Mapping[str, np.ndarray] | None
+                       ) -> list[np.ndarray]:
+        shard_map, server_id = pull.shard_map, pull.server_id
+        outputs = [self._output(shard_map.variables[name], out) for name in pull.names]
+        method = self._stub(shard_map.servers[server_id]).PullUnaryBytes
+        answer = self._call_server(
+            lambda: self._unary(method, pull.request, pull.deadline, server_id),
+            shard_map, server_id, self._read_retry)
+        pull.unpack(answer, outputs)
+        return outputs
+
+    def _keep_one_call_pull(self, key, shard_map: ShardMap, names: list[str],
+                            wire_dtype: str | None) -> None:
+        """Keep the pull of `names` that just succeeded, if one unary call to one server over
+        gRPC answers it and its bytes are the values (ps_worker.one_call_pulls)."""
+        groups = shard_map.group_by_server(names)
+        if len(groups) != 1:
+            return
+        (server_id, shards), = groups.items()
+        if any(shard.stride != 1 or wire_dtype not in (None, shard_map.spec(
+                shard.variable).dtype) for shard in shards):
+            return
+        if self._use_shared_memory and self._shared.get(
+                shard_map.servers[server_id], False) is not None:
+            return  # a shared-memory connection, or none known yet: the general path
+        nbytes = OneCallPull.bytes_of(shard_map, shards)
+        if nbytes > self._chunk_bytes:
+            return
+        if len(self._one_call_pulls) >= MAX_KEPT_PULLS:
+            self._one_call_pulls.clear()
+        self._one_call_pulls[key] = OneCallPull(
+            shard_map, server_id, names, shards,
+            _pull_request(shard_map.epoch, shards, wire_dtype).SerializeToString(),
+            self._deadline(nbytes))
 
     def pull_async(self, names: str | list[str], *, wire_dtype: str | None = None,
                    out: Mapping[str, np.ndarray] | None = None) -> futures.Future:

@@ -850,13 +850,17 @@ def test_raw_push_older_incarnation_is_fenced(raw):
     ([("w", 0)], 99, grpc.StatusCode.INVALID_ARGUMENT),  # no such dtype
 ], ids=["unknown", "unknown-among-known", "no-shards", "same-shard-twice", "other-server",
         "wider-wire-dtype", "bad-wire-dtype"])
-def test_raw_bad_pull(raw, refs, wire, code):
+@pytest.mark.parametrize("method", ["Pull", "PullUnary"])
+def test_raw_bad_pull(raw, refs, wire, code, method):
     _, stub_for = raw
     stub, epoch = stub_for("w", 0)
     request = ps_pb.PullRequest(
         epoch=epoch, shards=[ps_pb.ShardRef(variable=v, index=i) for v, i in refs],
         wire_dtype=wire)
-    err = raw_error(lambda: list(stub.Pull(request, timeout=10)))
-    assert err.code() == code, err
+    call = ((lambda: list(stub.Pull(request, timeout=10))) if method == "Pull" else
+            (lambda: stub.PullUnary(request, timeout=10)))
+    for _ in range(2):  # a refused request is refused again: nothing of it is remembered
+        err = raw_error(call)
+        assert err.code() == code, err
     if code == grpc.StatusCode.NOT_FOUND:
         assert "nope" in err.details()
