@@ -42,15 +42,19 @@ def _summary(latencies_us: list[float]) -> dict:
 
 def interleaved(series: dict, calls: int, warmup: int, blocks: int) -> dict[str, list[float]]:
     """Sorted latencies (us) of `calls` calls of each series, after `warmup` calls of each,
-    taken in `blocks` rounds that visit every series in turn (so all see the same drift)."""
+    taken in `blocks` rounds that visit every series in turn (so all see the same drift),
+    each round starting one series further on (so that no series always comes first, or
+    always after the same one)."""
     out: dict[str, list[float]] = {name: [] for name in series}
     for call in series.values():
         for _ in range(warmup):
             call()
     clock = time.perf_counter_ns
+    order = list(series.items())
     for block in range(blocks):
         count = calls // blocks + (1 if block < calls % blocks else 0)
-        for name, call in series.items():
+        turn = block % len(order)
+        for name, call in order[turn:] + order[:turn]:
             times = out[name]
             for _ in range(count):
                 t0 = clock()
@@ -65,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=5000, help="timed calls per series (default 5000)")
     p.add_argument("--warmup", type=int, default=500, help="untimed calls first (default 500)")
-    p.add_argument("--blocks", type=int, default=10,
-                   help="the series alternate in this many blocks of calls (default 10)")
+    p.add_argument("--blocks", type=int, default=100,
+                   help="the series alternate in this many blocks of calls (default 100)")
     harness.add_path_flag(p)
     harness.add_quick_flag(p)
     args = p.parse_args(argv)

@@ -111,11 +111,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def PullUnary(self, request: bytes, context):
         """`request`: a serialized PullRequest (see `add_to_server`)."""
-        # A remembered pull is answered first, with nothing to parse or check (and nothing
-        # that can raise): see ps_server.unary_pulls.
+        # A remembered pull is answered first, with nothing to parse or check (see
+        # ps_server.unary_pulls), and outside translate_errors, which costs more than the
+        # rest of such an answer; what it raises (no memory to convert a narrowed pull) is
+        # translated all the same.
         pull = self._unary_pulls.find(request)
         if pull is not None:
-            return pull.answer()
+            try:
+                return pull.answer()
+            except Exception:
+                with translate_errors(context, "PullUnary"):
+                    raise
         with translate_errors(context, "PullUnary"):
             return self._one_message(self._checked_unary_pull(request, "PullUnary"))
 

@@ -22,6 +22,9 @@ from ps_server.store import CheckedRead, ShardStore
 # Distinct requests remembered at most (a worker sends a few: one per set of variables it
 # pulls from this server); when full, all are forgotten and remembered again as they come.
 MAX_REMEMBERED = 256
+# Longer requests are not remembered (their bytes are the key: this bounds what the keys
+# hold to 16 MiB). A request naming a thousand shards is about 30 KiB.
+MAX_REQUEST_BYTES = 64 * 1024
 
 
 class RememberedPull:
@@ -86,12 +89,14 @@ class UnaryPulls:
                  checked: list[CheckedRead]) -> RememberedPull | None:
         """Remember a pull checked at placement `version` (read before the check), unless
         the placement has changed since or it reads rows; returns it, or None."""
-        if version != self._store.placement_version or any(
-                read.ids is not None for read in checked):
+        if (version != self._store.placement_version or len(request) > MAX_REQUEST_BYTES
+                or any(read.ids is not None for read in checked)):
             return None
         if len(self._remembered) >= MAX_REMEMBERED:
             self._remembered.clear()
         pull = self._remembered[request] = RememberedPull(version, checked)
+        if version != self._store.placement_version:  # changed meanwhile, maybe forgotten
+            self._remembered.pop(request, None)  # (else it would keep dropped shards alive)
         return pull
 
     def forget(self) -> None:

@@ -453,6 +453,8 @@ class PSClient:
     def _adopt(self, new: ShardMap) -> ShardMap:
         with self._lock:
             if self._map is None or new.epoch >= self._map.epoch:
+                if new is not self._map:  # kept pulls are for the map they were made with
+                    self._one_call_pulls.clear()
                 self._map = new
             return self._map
 
@@ -551,6 +553,7 @@ class PSClient:
             except RemoteError as error:
                 if not self._map_moved(kept.shard_map, error):
                     raise
+                # The map moved: the general path below, with the refreshed map.
         for _ in range(MAX_MAP_REFRESHES):
             shard_map = self._map_with(wanted)
             outputs = self._pull_outputs(shard_map, wanted, out, wire_dtype)

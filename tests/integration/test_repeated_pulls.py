@@ -12,6 +12,7 @@ import pytest
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import tensor_pb2
 from ps_common.tensors import decode_chunk
+from ps_server.store import ShardStore
 from ps_worker import PSClient
 
 SHARED_MEMORY = False  # what is tested here is the gRPC path
@@ -48,11 +49,24 @@ def values_of(answer: bytes, dtype: str = "float32") -> np.ndarray:
     return np.frombuffer(decode_chunk(answer).data, dtype).reshape(4, 3)
 
 
-def test_the_same_request_bytes_answer_the_values_after_each_push(ps, pull_unary):
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls of the general paths: the server's check of a pull, the client's planned pull."""
+    calls = {"check_pull": 0, "_pull_from": 0}
+    for cls, name in ((ShardStore, "check_pull"), (PSClient, "_pull_from")):
+        def counting(*args, _name=name, _inner=getattr(cls, name), **kwargs):
+            calls[_name] += 1
+            return _inner(*args, **kwargs)
+        monkeypatch.setattr(cls, name, counting)
+    return calls
+
+
+def test_the_same_request_bytes_answer_the_values_after_each_push(ps, pull_unary, counted):
     request = request_bytes(ps.shard_map.epoch)
     for step in range(3):
         np.testing.assert_array_equal(values_of(pull_unary(request, timeout=10)), 1.0 - step)
         ps.push({"w": np.ones((4, 3), np.float32)})
+    assert counted["check_pull"] == 1  # the first; the others were answered from memory
 
 
 def test_a_narrowed_request_answers_its_values_converted_after_each_push(ps, pull_unary):
@@ -92,11 +106,12 @@ def test_push_pull_with_the_same_pull_answers_the_values_after_its_push(ps):
         np.testing.assert_array_equal(pulled, 1.0 - step)
 
 
-def test_a_client_pulling_again_sees_another_clients_pushes(ps):
+def test_a_client_pulling_again_sees_another_clients_pushes(ps, counted):
     with PSClient(ps.coordinator, shared_memory=False) as other:
         for step in range(3):
             np.testing.assert_array_equal(ps.pull("w"), 1.0 - step)
             other.push({"w": np.ones((4, 3), np.float32)})
+    assert counted["_pull_from"] == 1  # then the pull it kept
 
 
 def test_a_client_pulling_again_fills_out_and_returns_it(ps):
@@ -118,6 +133,31 @@ def test_a_client_pulling_several_names_again_gets_each_of_them(ps):
         np.testing.assert_array_equal(pulled["w"], 1.0 - step)
         np.testing.assert_array_equal(pulled["b"], 2.0 - step)
         ps.push({"w": np.ones((4, 3), np.float32), "b": np.ones(5, np.float32)})
+
+
+def test_a_kept_pull_refused_for_a_stale_map_is_made_again_with_the_new_one(cluster, ps,
+                                                                              counted):
+    ps.pull("w")
+    ps.pull("w")
+    with PSClient(ps.coordinator, shared_memory=False) as other:
+        other.declare("v", (2,))  # a new epoch this client has not seen
+        cluster.wait_until_synced()
+        other.push({"w": np.ones((4, 3), np.float32)})
+    np.testing.assert_array_equal(ps.pull("w"), 0.0)  # refused as stale, then made again
+    assert counted["_pull_from"] == 2
+    assert ps._one_call_pulls[(("w",), None)].shard_map is ps.shard_map
+    ps.pull("w")
+    assert counted["_pull_from"] == 2
+
+
+def test_a_client_with_shared_memory_keeps_no_pull(make_cluster):
+    cluster = make_cluster(servers=1, shared_memory=True)
+    with PSClient(cluster.coordinator_address) as client:
+        client.declare("w", (4, 3))
+        for _ in range(3):
+            client.pull("w")
+        assert client.data_paths == {cluster.servers[0].address: "shm"}
+        assert client._one_call_pulls == {}
 
 
 def test_a_client_pulling_again_follows_a_new_shard_map(ps):

@@ -10,8 +10,9 @@ import pytest
 from ps_common.errors import InvalidArgument
 from ps_common.shardmap import Component, Shard, ShardMap, VariableSpec
 from ps_common.status import RemoteError
-from ps_common.tensors import TensorMeta, encode_chunk
+from ps_common.tensors import TensorMeta, decode_chunk, encode_chunk
 from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_worker import one_call_pulls
 from ps_worker.one_call_pulls import OneCallPull
 
 SPECS = {"w": VariableSpec("w", (6, 2), initializer=Component.of("zeros")),
@@ -44,8 +45,17 @@ def test_bytes_of_counts_every_shard():
     assert a_pull().nbytes == OneCallPull.bytes_of(SHARD_MAP, SHARDS) == 12 * 4 + 3 * 8
 
 
+@pytest.fixture
+def full_checks(monkeypatch):
+    """How many answers were decoded in full (the others were copied by their prefix)."""
+    calls = []
+    monkeypatch.setattr(one_call_pulls, "decode_chunk",
+                        lambda raw: calls.append(1) or decode_chunk(raw))
+    return calls
+
+
 @pytest.mark.parametrize("answers", [1, 3])
-def test_each_shards_bytes_land_in_its_rows(answers):
+def test_each_shards_bytes_land_in_its_rows(answers, full_checks):
     pull = a_pull()
     for i in range(answers):  # the first is checked in full, the others copied
         w, b = W + i, B * i
@@ -53,16 +63,21 @@ def test_each_shards_bytes_land_in_its_rows(answers):
         pull.unpack(answer(w, b), out)
         np.testing.assert_array_equal(out[0], w)
         np.testing.assert_array_equal(out[1], b)
+    assert len(full_checks) == 1
 
 
-def test_an_answer_with_another_header_is_checked_in_full_and_still_lands():
+def test_an_answer_with_another_header_is_checked_in_full_and_still_lands(full_checks):
     pull = a_pull()
     pull.unpack(answer(), outputs())
     # Another header of the same length in bytes (a server may say something else in it).
     other = answer(W * 2, header_shapes=((2, 3), (3,), (3, 2)))
-    out = outputs()
-    pull.unpack(other, out)
-    np.testing.assert_array_equal(out[0], W * 2)
+    for i in range(2):  # checked in full once, then its prefix is the one copied by
+        out = outputs()
+        pull.unpack(other, out)
+        np.testing.assert_array_equal(out[0], W * 2)
+    assert len(full_checks) == 2
+    pull.unpack(answer(), outputs())
+    assert len(full_checks) == 3
 
 
 @pytest.mark.parametrize("checked_before", [False, True])

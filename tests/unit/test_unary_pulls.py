@@ -126,18 +126,47 @@ def test_at_most_max_remembered_are_kept(monkeypatch):
     assert [pulls.find(b"%d" % i) is not None for i in range(4)] == [False] * 3 + [True]
 
 
+class WatchedLock:
+    """A lock that says when someone has started to wait for it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.wanted = threading.Event()
+
+    def acquire(self):
+        self.wanted.set()
+        return self._lock.acquire()
+
+    def release(self):
+        self._lock.release()
+
+
 def test_an_answer_waits_for_an_update_holding_a_shards_lock():
     """The answer is read under the shards' locks, as pushes take them: never half a push."""
     store = store_holding()
+    (held,) = store.lookup([("a", 0)])
+    held.lock = lock = WatchedLock()
     remembered = UnaryPulls(store).remember(REQUEST, store.placement_version,
                                             checked(store, ("a",)))
-    (held,) = store.lookup([("a", 0)])
     answers = []
-    with held.lock:
-        reader = threading.Thread(target=lambda: answers.append(remembered.answer()))
-        reader.start()
-        reader.join(0.2)
+    lock.acquire()
+    lock.wanted.clear()
+    reader = threading.Thread(target=lambda: answers.append(remembered.answer()))
+    reader.start()
+    try:
+        assert lock.wanted.wait(30), "the answer never asked for the shard's lock"
         held.values[:] = 5.0  # the rest of "an update" while the reader waits
-        assert reader.is_alive() and not answers
-    reader.join(30)
+        assert not answers
+    finally:
+        lock.release()
+        reader.join(30)
+    assert not reader.is_alive()
     np.testing.assert_array_equal(answered(answers[0])[1], 5.0)
+
+
+def test_a_long_request_is_not_remembered(monkeypatch):
+    monkeypatch.setattr(unary_pulls, "MAX_REQUEST_BYTES", 8)
+    store = store_holding()
+    pulls = UnaryPulls(store)
+    assert pulls.remember(b"123456789", store.placement_version, checked(store)) is None
+    assert pulls.remember(b"12345678", store.placement_version, checked(store)) is not None
