@@ -22,9 +22,10 @@ from ps_server.store import CheckedRead, ShardStore
 # Distinct requests remembered at most (a worker sends a few: one per set of variables it
 # pulls from this server); when full, all are forgotten and remembered again as they come.
 MAX_REMEMBERED = 256
-# Longer requests are not remembered (their bytes are the key: this bounds what the keys
-# hold to 16 MiB). A request naming a thousand shards is about 30 KiB.
-MAX_REQUEST_BYTES = 64 * 1024
+# Longer requests are neither looked up nor remembered: a key's bytes are hashed on every
+# lookup, and a row pull's request (never remembered) may carry many KiB of ids. A request
+# naming 100 shards is about 3 KiB.
+MAX_REQUEST_BYTES = 4096
 
 
 class RememberedPull:
@@ -79,6 +80,8 @@ class UnaryPulls:
 
     def find(self, request: bytes) -> RememberedPull | None:
         """The pull remembered for these request bytes, if the placement is unchanged."""
+        if len(request) > MAX_REQUEST_BYTES:
+            return None
         pull = self._remembered.get(request)
         if pull is None or pull.version == self._store.placement_version:
             return pull

@@ -165,8 +165,11 @@ def test_an_answer_waits_for_an_update_holding_a_shards_lock():
 
 
 def test_a_long_request_is_not_remembered(monkeypatch):
-    monkeypatch.setattr(unary_pulls, "MAX_REQUEST_BYTES", 8)
     store = store_holding()
     pulls = UnaryPulls(store)
+    pulls.remember(b"123456789", store.placement_version, checked(store))
+    monkeypatch.setattr(unary_pulls, "MAX_REQUEST_BYTES", 8)
+    assert pulls.find(b"123456789") is None  # not even looked up
     assert pulls.remember(b"123456789", store.placement_version, checked(store)) is None
     assert pulls.remember(b"12345678", store.placement_version, checked(store)) is not None
+    assert pulls.find(b"12345678") is not None
