@@ -121,10 +121,12 @@ def wait_for(observer: Observer, predicate, what: str, *, timeout: float = JOB_S
     logs of `watch`, and at once if a watched process exits meanwhile."""
     deadline = time.monotonic() + timeout
     while True:
+        # Exits are looked at before the status is read: a worker that exits because what is
+        # awaited happened (the job ended) is then seen with the status that shows it.
+        exited = [p for p in watch if p.returncode is not None]
         status = observer.status()
         if predicate(status):
             return status
-        exited = [p for p in watch if p.returncode is not None]
         if exited or time.monotonic() > deadline:
             why = (f"{', '.join(p.name for p in exited)} exited" if exited
                    else f"{timeout:g} s passed")
