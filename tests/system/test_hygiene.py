@@ -131,8 +131,11 @@ class Proc:
 def wait_until(predicate, what: str, timeout: float, watch: tuple[Proc, ...] = ()) -> None:
     """Poll `predicate` (bounded); fail at once if a watched process exits meanwhile."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        # Exits first: a process that exits once what is awaited happened is seen with it.
         exited = [p for p in watch if p.returncode is not None]
+        if predicate():
+            return
         if exited or time.monotonic() > deadline:
             why = f"{exited[0].name} exited" if exited else f"{timeout:g} s passed"
             pytest.fail(f"{why} while waiting for {what}\n" + "\n".join(p.logs() for p in watch))

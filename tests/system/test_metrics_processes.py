@@ -29,10 +29,11 @@ def wait_above(proc: Proc, url: str, name: str, floor: float, watch: tuple[Proc,
     at once if a watched process exits)."""
     deadline = time.monotonic() + MOVE_S
     while True:
+        # Exits first: a process that exits once what is awaited happened is seen with it.
+        exited = [p for p in watch if p.returncode is not None]
         value = metric(scrape_metrics(url), name)
         if value > floor:
             return value
-        exited = [p for p in watch if p.returncode is not None]
         if exited or time.monotonic() > deadline:
             why = f"{exited[0].name} exited" if exited else f"{MOVE_S:g} s passed"
             pytest.fail(f"{name} of {proc.name} stayed at {value} ({why})\n"

@@ -58,11 +58,14 @@ class Command:
 
     def wait_for(self, predicate, what: str, timeout: float):
         deadline = time.monotonic() + timeout
-        while not (found := predicate(self.stdout())):
-            if self.popen.poll() is not None or time.monotonic() > deadline:
+        while True:
+            # Its exit first: output written just before it exits is then read.
+            exited = self.popen.poll() is not None
+            if found := predicate(self.stdout()):
+                return found
+            if exited or time.monotonic() > deadline:
                 pytest.fail(f"{what}: not within {timeout:g} s\n{self.logs()}")
             time.sleep(0.05)
-        return found
 
     def end(self) -> None:
         if self.popen.poll() is None:

@@ -63,10 +63,11 @@ def wait_until(predicate, what: str, timeout: float, watch: tuple[Proc, ...] = (
     the logs of `watch`, or at once when a watched process exits."""
     deadline = time.monotonic() + timeout
     while True:
+        # Exits first: a process that exits once what is awaited happened is seen with it.
+        exited = [p for p in watch if p.returncode is not None]
         result = predicate()
         if result:
             return result
-        exited = [p for p in watch if p.returncode is not None]
         if exited or time.monotonic() > deadline:
             why = f"{exited[0].name} exited" if exited else f"{timeout:g} s passed"
             pytest.fail(f"{why} while waiting for {what}\n" + "\n".join(p.logs() for p in watch))
