@@ -140,11 +140,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 raise InvalidArgument("PushThenPull must carry a push header and a pull")
             header = _push_header(_parse_header(chunk.header))
             # The pull is checked first: a request that would fail changes nothing.
-            checked = self._checked_unary_pull(bytes(chunk.attached), "PushThenPull")
+            checked = self._checked_unary_pull(chunk.attached, "PushThenPull")
             pushed = _push_reply(self._pushes.receive_whole(header, chunk.data))
             return self._one_message(checked, pushed.SerializeToString())
 
-    def _checked_unary_pull(self, raw: bytes, method: str
+    def _checked_unary_pull(self, raw: bytes | memoryview, method: str
                             ) -> RememberedPull | list[CheckedRead]:
         """A one-message pull, parsed and checked (remembered, for whole shards), or found
         remembered: raises as the store does."""

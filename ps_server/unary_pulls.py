@@ -78,8 +78,9 @@ class UnaryPulls:
         self._store = store
         self._remembered: dict[bytes, RememberedPull] = {}
 
-    def find(self, request: bytes) -> RememberedPull | None:
-        """The pull remembered for these request bytes, if the placement is unchanged."""
+    def find(self, request: bytes | memoryview) -> RememberedPull | None:
+        """The pull remembered for these request bytes, if the placement is unchanged. (A
+        read-only memoryview hashes and compares as its bytes: PushThenPull's pull is one.)"""
         if len(request) > MAX_REQUEST_BYTES:
             return None
         pull = self._remembered.get(request)
@@ -88,7 +89,7 @@ class UnaryPulls:
         self._remembered.pop(request, None)
         return None
 
-    def remember(self, request: bytes, version: int,
+    def remember(self, request: bytes | memoryview, version: int,
                  checked: list[CheckedRead]) -> RememberedPull | None:
         """Remember a pull checked at placement `version` (read before the check), unless
         the placement has changed since or it reads rows; returns it, or None."""
@@ -97,6 +98,8 @@ class UnaryPulls:
             return None
         if len(self._remembered) >= MAX_REMEMBERED:
             self._remembered.clear()
+        # Kept as bytes: a view would keep the whole message it is part of alive.
+        request = bytes(request)
         pull = self._remembered[request] = RememberedPull(version, checked)
         if version != self._store.placement_version:  # changed meanwhile, maybe forgotten
             self._remembered.pop(request, None)  # (else it would keep dropped shards alive)

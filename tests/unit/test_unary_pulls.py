@@ -173,3 +173,17 @@ def test_a_long_request_is_not_remembered(monkeypatch):
     assert pulls.remember(b"123456789", store.placement_version, checked(store)) is None
     assert pulls.remember(b"12345678", store.placement_version, checked(store)) is not None
     assert pulls.find(b"12345678") is not None
+
+
+def test_a_view_of_a_request_is_found_and_remembered_as_bytes():
+    """PushThenPull's pull is a view into its whole message: it is looked up as it is, and
+    remembered as bytes of its own (a view would keep the message, push and all, alive)."""
+    store = store_holding()
+    pulls = UnaryPulls(store)
+    message = b"push bytes" + REQUEST
+    view = memoryview(message)[len(b"push bytes"):]
+    remembered = pulls.remember(view, store.placement_version, checked(store))
+    (key,) = pulls._remembered
+    assert type(key) is bytes and key == REQUEST
+    assert pulls.find(REQUEST) is remembered
+    assert pulls.find(memoryview(b"..." + REQUEST)[3:]) is remembered
