@@ -257,6 +257,7 @@ class ParameterServer:
         if rpc is not None:
             rpc.cancel()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
+        self.push_staging.close()
         if self.shared is not None:
             self.shared.close()
         self._stopped.set()

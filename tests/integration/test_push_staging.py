@@ -81,6 +81,55 @@ def test_a_staged_push_that_ends_short_changes_nothing_and_leaves_no_file(staged
     assert os.listdir(tmp_path) == []
 
 
+def test_a_push_staged_after_refused_and_broken_ones_reuses_their_file_and_reads_none_of_it(
+        staged_cluster, tmp_path):
+    """Staging files are kept for the next push to write over; what the earlier pushes left
+    in the file (a refused push's bytes, half of a broken one's) never reaches the values."""
+    with PSClient(staged_cluster.coordinator_address, chunk_bytes=64) as ps:
+        ps.declare("w", shape=SHAPE, init=ZEROS, optimizer=SGD1)
+        refused = np.full(SHAPE, 1000.0, np.float32)
+        refused[-1, -1] = np.inf
+        with RawPush(staged_cluster, ps, "w") as push:
+            push.send(refused.tobytes())
+        assert push.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with RawPush(staged_cluster, ps, "w") as push:
+            push.send(np.full(SHAPE, 7.0, np.float32).tobytes()[:4096], end=False)
+            wait_until(lambda: staging(staged_cluster).staged_pushes == 2,
+                       "the server to stage the broken push")
+        assert push.code() == grpc.StatusCode.INVALID_ARGUMENT
+        grad = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE) / 3
+        ps.push({"w": grad})
+        np.testing.assert_array_equal(ps.pull("w"), -grad)
+    assert staging(staged_cluster).staged_pushes == 3
+    assert staging(staged_cluster).staging_files_made == 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_kept_staging_files_are_closed_when_the_server_stops(staged_cluster, tmp_path):
+    with PSClient(staged_cluster.coordinator_address, chunk_bytes=64) as ps:
+        ps.declare("w", shape=SHAPE, init=ZEROS, optimizer=SGD1)
+        ps.push({"w": np.ones(SHAPE, np.float32)})
+    kept = staging(staged_cluster)
+    assert kept.idle_file_bytes() == np.prod(SHAPE) * 4
+    assert len(open_files_in(tmp_path)) == 1  # unlinked, kept open for the next push
+    staged_cluster.stop()
+    assert kept.idle_file_bytes() == 0
+    assert open_files_in(tmp_path) == []
+
+
+def open_files_in(directory) -> list[str]:
+    """What this process's descriptors of files in `directory` point to."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the descriptor listdir itself used, closed since
+            continue
+        if target.startswith(f"{directory}/"):
+            targets.append(target)
+    return targets
+
+
 def test_pushes_within_the_memory_bound_are_not_staged(make_cluster, tmp_path):
     cluster = make_cluster(servers=1, chunk_bytes=64, push_memory_bytes=1 << 20,
                            spill_dir=tmp_path)
