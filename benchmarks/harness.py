@@ -603,6 +603,17 @@ def client_path_args(args: argparse.Namespace) -> dict:
     return {"shared_memory": False} if args.no_shm else {}
 
 
+def tune_client_malloc() -> str:
+    """Set this process's malloc as ps-worker sets its own (ps_worker.tune_malloc), for
+    benchmarks whose client stands in for a worker; what was done, for the report. A
+    checkout older than tune_malloc leaves glibc's defaults."""
+    try:
+        from ps_worker import tune_malloc
+    except ImportError:
+        return "glibc's defaults (this checkout has no ps_worker.tune_malloc)"
+    return "as ps-worker's (ps_worker.tune_malloc)" if tune_malloc() else "glibc's defaults"
+
+
 def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, **small) -> None:
     """With `--quick`, set each of `small` (dest=value) that is still at its default."""
     if getattr(args, "quick", False):

@@ -12,7 +12,8 @@ round trips after a warm-up, and meanwhile:
     per thread, so that gRPC's C-core threads (`event_engine`, invisible to py-spy) and the
     system time of page faults are counted too.
 
-    python benchmarks/profile_w2.py                   # 20 round trips of 64 MiB
+    python benchmarks/profile_w2.py                   # 20 round trips of 64 MiB, shared memory
+    python benchmarks/profile_w2.py --no-shm          # the same over gRPC
     python benchmarks/profile_w2.py --round-trips 1   # exactly one round trip
     python benchmarks/profile_w2.py --quick           # 2 round trips of 1 MiB: does it run?
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pull-out", dest="pull_out", action="store_false",
                    help="pull into a fresh array each time instead of reusing one via "
                    "pull(..., out=) (the default where the client offers `out`)")
+    harness.add_path_flag(p)
     harness.add_quick_flag(p)
     args = p.parse_args(argv)
     # 2 round trips of 1 MiB; py-spy only where it is installed.
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_w2 --quick: py-spy is not installed, profiling with /proc only",
               file=sys.stderr)
         use_py_spy = False
+    client_malloc = harness.tune_client_malloc()  # as w2_big_dense's client
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     files = {"client": OUT_DIR / "client.txt", "server": OUT_DIR / "server.txt"}
     for f in files.values():
@@ -85,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
 
     spies: list[subprocess.Popen] = []
     with harness.bounded(300 + 10 * args.round_trips, "profile_w2"), \
-            harness.cluster(1, log_level="warning") as c:
+            harness.cluster(1, log_level="warning", server_args=harness.no_shm_args(args)) as c:
         try:
-            with PSClient(c.address) as client:
+            with PSClient(c.address, **harness.client_path_args(args)) as client:
                 client.declare("w2", (args.size,), "float32",
                                optimizer={"name": "sgd", "lr": 0.01})
                 grad = np.random.default_rng(2).standard_normal(args.size, dtype=np.float32)
@@ -119,14 +122,16 @@ def main(argv: list[str] | None = None) -> int:
                 harness.stop_py_spy(spy)
 
     n = args.round_trips
-    record: dict = {"round_trips": n, "size": args.size, "wall_ms_per_round_trip": 1e3 * elapsed / n,
+    record: dict = {"path": harness.path_name(args), "client_malloc": client_malloc,
+                    "round_trips": n, "size": args.size, "wall_ms_per_round_trip": 1e3 * elapsed / n,
                     "pull_ms": 1e3 * pull_s / n, "push_ms": 1e3 * push_s / n,
                     "profiled_with": "py-spy" if use_py_spy else "none", "pull_out": pull_out}
     timing = (f"wall {record['wall_ms_per_round_trip']:.0f} ms per round trip (pull "
               f"{record['pull_ms']:.0f}, push {record['push_ms']:.0f}"
               + ("; slowed by sampling)" if use_py_spy else ")"))
     lands = "one reused array (out=)" if pull_out else "a fresh array"
-    rows = [("round trips", f"{n} x {harness.mib(4 * args.size)} each way; {timing}; pulls "
+    rows = [("path", harness.path_name(args)), ("client malloc", client_malloc),
+            ("round trips", f"{n} x {harness.mib(4 * args.size)} each way; {timing}; pulls "
                             f"land in {lands}")]
     for name in ("client", "server"):
         cpu = harness.cpu_delta(before[name], after[name], n)

@@ -13,11 +13,11 @@ from ps_common.cli import (
     add_daemon_arguments, add_metrics_argument, add_shared_memory_argument, bind_of, fail,
     parse_address, parse_bytes, run_until_signal, setup_logging, tf_config_task,
 )
+from ps_common.malloc import tune_malloc
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES
 from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import SERVER, TF_CONFIG_ENV, Task
 from ps_server.app import ParameterServer, ServerConfig
-from ps_server.memory import tune_malloc
 
 log = logging.getLogger("ps-server")
 
@@ -120,7 +120,7 @@ def server_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     config, task = config_and_task(parser, args)
-    tune_malloc()
+    tune_malloc(one_arena=True)
     try:
         server = ParameterServer(config).start()
     except MetricsBindError as error:

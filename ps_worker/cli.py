@@ -18,6 +18,7 @@ from ps_common.cli import (
     parse_address, setup_logging, tf_config_task, tls_of, token_of,
 )
 from ps_common.job import JobError
+from ps_common.malloc import tune_malloc
 from ps_common.status import RemoteError
 from ps_common.telemetry import MetricsBindError, MetricsEndpoint
 from ps_common.tf_config import TF_CONFIG_ENV, WORKER
@@ -86,6 +87,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     config = config_from_args(parser, args)
+    tune_malloc()
     # A job's `--model mymodule:Model` may name a module in the directory the worker was
     # started from, as it would with `python -m` or PYTHONPATH=. (before any thread starts).
     find_models_in(os.getcwd())

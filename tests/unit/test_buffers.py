@@ -32,18 +32,21 @@ def test_idle_buffers_beyond_the_cap_are_dropped():
     assert pool.acquire(800) is kept
 
 
-def test_ps_server_has_glibc_keep_freed_blocks_for_reuse():
+@pytest.mark.parametrize("tune", [
+    "from ps_common.malloc import tune_malloc; assert tune_malloc(one_arena=True)",  # ps-server
+    "from ps_worker import tune_malloc; assert tune_malloc()",  # ps-worker, training code
+])
+def test_tuned_glibc_keeps_freed_message_sized_blocks_for_reuse(tune):
     """In a child process (the setting is process-wide and must not leak into the tests):
-    100 rounds of a server call's allocations (2 MiB messages received and sent, a
-    temporary as large) fault in fewer pages in all than one message has (512): freed blocks
-    were reused, not given back to the kernel and faulted in again (untuned, glibc faults
-    every page of them in every round)."""
+    100 rounds of a call's allocations (2 MiB messages received and sent, a temporary as
+    large) fault in fewer pages in all than one message has (512): freed blocks were reused,
+    not given back to the kernel and faulted in again (untuned, glibc faults every page of
+    them in every round)."""
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
-    code = """
+    code = f"""
 import resource
-from ps_server.memory import tune_malloc
-assert tune_malloc()
+{tune}
 def call():
     received, answer, temporary = bytearray(1 << 21), bytearray(1 << 21), bytearray(1 << 21)
 for _ in range(5):

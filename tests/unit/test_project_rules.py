@@ -46,6 +46,7 @@ DOMAIN_MODULES = [
     "ps_server/coordinator/identity.py",
     "ps_server/control.py",
     "ps_server/memory.py",
+    "ps_common/malloc.py",
     "ps_server/streams.py",
     "ps_common/job.py",
     "ps_common/progress.py",
