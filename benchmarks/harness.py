@@ -604,9 +604,11 @@ def client_path_args(args: argparse.Namespace) -> dict:
 
 
 def tune_client_malloc() -> str:
-    """Set this process's malloc as ps-worker sets its own (ps_worker.tune_malloc), for
-    benchmarks whose client stands in for a worker; what was done, for the report. A
-    checkout older than tune_malloc leaves glibc's defaults."""
+    """Set this process's malloc as ps-worker sets its own (ps_worker.tune_malloc); what
+    was done, for the report. A checkout older than tune_malloc leaves glibc's defaults.
+
+    Not for a process that also runs a baseline's client (W2's bare grpcio client runs in
+    W2's process): the baseline would run with paramserve's tuning, not as grpcio comes."""
     try:
         from ps_worker import tune_malloc
     except ImportError:

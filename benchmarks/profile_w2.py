@@ -14,6 +14,7 @@ round trips after a warm-up, and meanwhile:
 
     python benchmarks/profile_w2.py                   # 20 round trips of 64 MiB, shared memory
     python benchmarks/profile_w2.py --no-shm          # the same over gRPC
+    python benchmarks/profile_w2.py --no-shm --tune-malloc  # ... with ps-worker's malloc
     python benchmarks/profile_w2.py --round-trips 1   # exactly one round trip
     python benchmarks/profile_w2.py --quick           # 2 round trips of 1 MiB: does it run?
 
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pull-out", dest="pull_out", action="store_false",
                    help="pull into a fresh array each time instead of reusing one via "
                    "pull(..., out=) (the default where the client offers `out`)")
+    p.add_argument("--tune-malloc", action="store_true",
+                   help="set the client's malloc as ps-worker sets its own "
+                   "(ps_worker.tune_malloc); default: glibc's, as in w2_big_dense")
     harness.add_path_flag(p)
     harness.add_quick_flag(p)
     args = p.parse_args(argv)
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_w2 --quick: py-spy is not installed, profiling with /proc only",
               file=sys.stderr)
         use_py_spy = False
-    client_malloc = harness.tune_client_malloc()  # as w2_big_dense's client
+    client_malloc = (harness.tune_client_malloc() if args.tune_malloc
+                     else "glibc's defaults, as w2_big_dense's client")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     files = {"client": OUT_DIR / "client.txt", "server": OUT_DIR / "server.txt"}
     for f in files.values():

@@ -213,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     bound = args.max_seconds or (120 + 4 * nbytes / 50e6
                                  + (0 if args.once else 2 * args.seconds + 60))
     server_args = ["--chunk-bytes", str(args.chunk_bytes), *harness.no_shm_args(args)]
-    # This process is the worker, and the bare client beside it: both get ps-worker's malloc.
-    client_malloc = harness.tune_client_malloc()
     with harness.bounded(bound, "w2_big_dense"), \
             harness.cluster(1, server_args=server_args, log_level="warning") as c, \
             harness.ProcessGroup() as group:
@@ -239,14 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                 result = timed["paramserve"]
         server_peak = server.peak_rss_bytes()
         record = {"size": args.size, "value_bytes": nbytes, "chunk_bytes": args.chunk_bytes,
-                  "mode": "once" if args.once else "timed", "client_malloc": client_malloc,
-                  **timed,
+                  "mode": "once" if args.once else "timed", **timed,
                   "server_idle_rss_bytes": idle_rss, "server_peak_rss_bytes": server_peak,
                   "server_peak_over_values": server_peak / nbytes,
                   "server_peak_above_idle_over_values": (server_peak - idle_rss) / nbytes}
         rows = [("variable", f"{args.size:,} float32 = {harness.mib(nbytes)}, 1 server, sgd, "
-                             f"chunks of {harness.mib(args.chunk_bytes)}"),
-                ("client malloc", client_malloc)]
+                             f"chunks of {harness.mib(args.chunk_bytes)}")]
         if args.once:
             rows += [("pull", f"{result['pull_s']:.2f} s  ({nbytes / result['pull_s'] / 1e9:.3f} GB/s)"),
                      ("push", f"{result['push_s']:.2f} s  ({nbytes / result['push_s'] / 1e9:.3f} GB/s)"),
