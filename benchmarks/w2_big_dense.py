@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bare_grpc
 import harness
 
+from ps_common.tensors import from_wire, to_wire
 from ps_worker import PSClient
 
 DEFAULT_SIZE = 16_777_216  # 64 MiB of float32
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pull-out", dest="pull_out", action="store_false",
                    help="pull into a fresh array each time instead of reusing one via "
                    "pull(..., out=) (the default where the client offers `out`)")
+    p.add_argument("--push-wire-dtype", choices=("float32", "float16", "bfloat16"),
+                   default="float32",
+                   help="wire dtype of the pushes (default float32): a narrower one shows the "
+                   "server's memory for narrowed pushes, but its ratios compare unequal bytes")
     p.add_argument("--slices", type=int, default=5,
                    help="paramserve and the baseline alternate in this many slices (default 5)")
     p.add_argument("--no-baseline", action="store_true", help="skip the bare-grpc baseline")
@@ -150,13 +155,18 @@ def supports_pull_out() -> bool:
 
 
 def run_timed(client: PSClient, bare: bare_grpc.BareClient | None, size: int, lr: float,
-              chunk_bytes: int, seconds: float, slices: int, pull_out: bool) -> dict:
+              chunk_bytes: int, seconds: float, slices: int, pull_out: bool,
+              wire: str = "float32") -> dict:
     """paramserve and the baseline, alternating in `slices` slices of seconds/slices each
     (so both see the same drift in machine load); then check the variable's values.
-    With `pull_out`, every pull lands in one reused array (pull(..., out=))."""
+    With `pull_out`, every pull lands in one reused array (pull(..., out=)); pushes go in
+    the `wire` dtype."""
     nbytes = 4 * size
     client.declare(NAME, (size,), "float32", init="zeros", optimizer={"name": "sgd", "lr": lr})
     grad = np.random.default_rng(SEED).standard_normal(size, dtype=np.float32)
+    if wire != "float32":  # what the server receives: the gradient rounded to the wire dtype
+        grad = from_wire(to_wire(grad, wire), wire).astype(np.float32)
+    push_kwargs = {} if wire == "float32" else {"wire_dtype": wire}
     out = {NAME: np.empty(size, np.float32)} if pull_out else None
     last: list = [None]
     pushes = [0]
@@ -166,7 +176,7 @@ def run_timed(client: PSClient, bare: bare_grpc.BareClient | None, size: int, lr
         t0 = time.perf_counter()
         last[0] = client.pull(NAME, out=out) if out is not None else client.pull(NAME)
         t1 = time.perf_counter()
-        client.push({NAME: grad})
+        client.push({NAME: grad}, **push_kwargs)
         pushes[0] += 1
         return t1 - t0, time.perf_counter() - t1
 
@@ -232,17 +242,20 @@ def main(argv: list[str] | None = None) -> int:
                         bare = stack.enter_context(bare_grpc.BareClient(bare_server.address))
                     pull_out = args.pull_out and supports_pull_out()
                     timed = run_timed(client, bare, args.size, args.lr, args.chunk_bytes,
-                                      args.seconds, args.slices, pull_out)
+                                      args.seconds, args.slices, pull_out,
+                                      args.push_wire_dtype)
                     timed["pull_out"] = pull_out
                 result = timed["paramserve"]
         server_peak = server.peak_rss_bytes()
         record = {"size": args.size, "value_bytes": nbytes, "chunk_bytes": args.chunk_bytes,
+                  "push_wire_dtype": args.push_wire_dtype,
                   "mode": "once" if args.once else "timed", **timed,
                   "server_idle_rss_bytes": idle_rss, "server_peak_rss_bytes": server_peak,
                   "server_peak_over_values": server_peak / nbytes,
                   "server_peak_above_idle_over_values": (server_peak - idle_rss) / nbytes}
         rows = [("variable", f"{args.size:,} float32 = {harness.mib(nbytes)}, 1 server, sgd, "
-                             f"chunks of {harness.mib(args.chunk_bytes)}")]
+                             f"chunks of {harness.mib(args.chunk_bytes)}, pushes in "
+                             f"{args.push_wire_dtype}")]
         if args.once:
             rows += [("pull", f"{result['pull_s']:.2f} s  ({nbytes / result['pull_s'] / 1e9:.3f} GB/s)"),
                      ("push", f"{result['push_s']:.2f} s  ({nbytes / result['push_s'] / 1e9:.3f} GB/s)"),

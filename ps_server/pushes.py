@@ -17,13 +17,12 @@ import numpy as np
 
 from ps_common.consistency import SYNC
 from ps_common.errors import InvalidArgument
-from ps_common.tensors import (
-    StreamAssembler, TensorMeta, all_finite, view_bytes, wire_raw_dtype,
-)
+from ps_common.tensors import StreamAssembler, TensorMeta, all_finite, wire_raw_dtype
 from ps_server.consistency import Contribution, PushOutcome, StepGate
 from ps_server.ledger import PushLedger
 from ps_server.push_staging import PushStaging
 from ps_server.store import ShardStore
+from ps_server.wire_gradients import ConvertingReader, raw_gradient, whole_gradient
 
 
 @dataclass(frozen=True)
@@ -72,12 +71,13 @@ class PushReceiver:
                 assembler.write(data)
             assembler.finish()
             staged.finish()
-            grads = [_decode(data, meta, held.spec.dtype)
-                     for data, meta, held in zip(staged.data, header.metas, targets)]
+            grads = [raw_gradient(data, meta) for data, meta in zip(staged.data, header.metas)]
             try:
                 return self._apply(header, targets, grads, staged.reader,
                                    arrival.finite() if arrival else frozenset())
             finally:
+                # No view of a staged file may outlive the push, or the file is not reused.
+                del grads
                 if staged.reader is not None:
                     staged.reader.finish()
 
@@ -108,8 +108,8 @@ class PushReceiver:
                 raise InvalidArgument(f"push names {total} bytes of tensors but its "
                                       f"shared-memory slot holds {len(data)}")
             grads, offset = [], 0
-            for meta, held in zip(header.metas, targets):
-                grads.append(_decode(data[offset:offset + meta.nbytes], meta, held.spec.dtype))
+            for meta in header.metas:
+                grads.append(raw_gradient(data[offset:offset + meta.nbytes], meta))
                 offset += meta.nbytes
             return self._apply(header, targets, grads, reader)
         finally:
@@ -118,12 +118,24 @@ class PushReceiver:
 
     def _apply(self, header: PushHeader, targets, grads, read_block=None,
                finite: frozenset[int] = frozenset()) -> PushOutcome:
-        """`finite`: the positions of gradients found finite already (FiniteOnArrival)."""
+        """`grads`: raw_gradient views, in their wire dtypes; `read_block` reads a block of
+        one (ps_common.shm.BlockReader), if given. `finite`: the positions of gradients
+        found finite already (FiniteOnArrival)."""
         if header.step is not None:
             self.steps.check_member(header.client_id, header.incarnation)
+        stored = [held.spec.dtype for held in targets]
+        converting = ConvertingReader(grads, header.metas, stored, read_block)
+        if converting.converts:  # the check and the update convert a block at a time
+            read_block = converting
         self._store.check_gradients(targets, grads, read_block, finite)
+        sync = header.step is not None and self.steps.kind_of(header.client_id) == SYNC
+        # A sync step's sum and a row push's sum of repeated ids take their gradients whole.
+        summed = [sync or (header.row_ids is not None and ids is not None)
+                  for ids in (header.row_ids or [None] * len(grads))]
+        grads = [whole_gradient(grad, meta, dtype) if whole else grad
+                 for grad, meta, dtype, whole in zip(grads, header.metas, stored, summed)]
         rows = self._store.sum_rows(targets, grads, header.row_ids)
-        if header.step is not None and self.steps.kind_of(header.client_id) == SYNC:
+        if sync:
             if any(r is not None for r in rows or ()):
                 raise InvalidArgument(
                     "a row push (push_rows) in the sync mode: sync combines whole-variable "
@@ -209,10 +221,3 @@ def _check_identity(header: PushHeader) -> None:
     if not header.client_id or header.sequence < 1:
         raise InvalidArgument(
             "push header needs a client_id and a sequence >= 1 (exactly-once identity)")
-
-
-def _decode(buffer, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
-    grad = view_bytes(buffer, meta)
-    # Views of our own receive buffer (or of the client's push slot) are writable: the
-    # optimizer uses the gradient as scratch, and the buffer is reused once the push is done.
-    return grad if grad.dtype == stored_dtype else grad.astype(stored_dtype)

@@ -823,6 +823,36 @@ def test_raw_push_with_nan_refuses_every_shard_it_carries(raw):
     assert_same_values(before, pull_all(ps))
 
 
+@pytest.mark.parametrize("wire, infinity", [
+    (tensor_pb2.FLOAT16, np.array([np.inf], np.float16).tobytes()),
+    (tensor_pb2.BFLOAT16, np.array([0x7F80], "<u2").tobytes()),  # bfloat16 +Inf
+], ids=["float16", "bfloat16"])
+def test_raw_narrowed_push_with_an_infinity_refuses_every_shard_it_carries(raw, wire,
+                                                                           infinity):
+    """The server converts a narrowed gradient a block at a time as it checks it: an
+    infinity in the last element of the second tensor is found all the same."""
+    ps, stub_for = raw
+    shard_map = ps.shard_map
+    (b_shard,) = shard_map.shards["b"]
+    w_shard = next(s for s in shard_map.shards["w"] if s.server_id == b_shard.server_id)
+    stub, epoch = stub_for("b", 0)
+    rows = w_shard.row_stop - w_shard.row_start
+    one = np.ones(1, np.float16).tobytes() if wire == tensor_pb2.FLOAT16 else \
+        np.array([0x3F80], "<u2").tobytes()  # 1.0
+    h = header(epoch, [("b", 0, wire, (10,)), ("w", w_shard.index, wire, (rows, 10))])
+    data = one * 10 + one * (rows * 10 - 1) + infinity
+    before = pull_all(ps)
+    err = raw_error(lambda: push_raw(stub, [ps_pb.PushChunk(header=h, data=data[:48]),
+                                            ps_pb.PushChunk(data=data[48:])]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "non-finite" in err.details()
+    assert_same_values(before, pull_all(ps))
+    data = one * 10 + one * rows * 10  # control: the same push, finite, is applied
+    h = header(epoch, [("b", 0, wire, (10,)), ("w", w_shard.index, wire, (rows, 10))])
+    push_raw(stub, [ps_pb.PushChunk(header=h, data=data)])
+    np.testing.assert_array_equal(ps.pull("b"), before["b"] - 1.0)
+
+
 def test_raw_push_older_incarnation_is_fenced(raw):
     ps, stub_for = raw
     stub, epoch = stub_for("b", 0)

@@ -32,6 +32,7 @@ DOMAIN_MODULES = [
     "ps_server/initializers.py",
     "ps_server/ledger.py",
     "ps_server/pushes.py",
+    "ps_server/wire_gradients.py",
     "ps_server/consistency.py",
     "ps_common/consistency.py",
     "ps_server/buffers.py",

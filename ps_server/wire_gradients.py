@@ -1,0 +1,70 @@
+"""A push's gradients as they arrived, converted to their variables' dtypes a block at a time.
+
+A gradient pushed in another wire dtype than its variable's (float16 or bfloat16 into a
+float32 variable, to halve the bytes on the wire) used to be converted whole on arrival:
+a temporary the size of the variable's values, beside them, for as long as the push took
+to check and apply (the server's peak RSS about twice the values for a large variable).
+Instead, the check and the update read such a gradient through a `ConvertingReader`,
+which converts each block they read, in the cache-sized blocks they already work in.
+
+Only what needs a gradient whole converts it whole (`whole`): the sum of a row push's
+repeated ids and a sync step's sum, which hold copies of their own anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ps_common.tensors import TensorMeta, from_wire, wire_raw_dtype
+
+
+def raw_gradient(buffer, meta: TensorMeta) -> np.ndarray:
+    """The gradient in `buffer` as its raw wire elements, in place (uint16 for bfloat16)."""
+    return np.frombuffer(buffer, dtype=wire_raw_dtype(meta.dtype)).reshape(meta.shape)
+
+
+def whole_gradient(grad: np.ndarray, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
+    """`grad` (raw_gradient) whole in its variable's dtype: a converted copy, or `grad`
+    itself where it needs no conversion."""
+    return from_wire(grad, meta.dtype).astype(stored_dtype, copy=False)
+
+
+class ConvertingReader:
+    """A `read_block` (ShardStore.check_gradients, ShardStore.apply) over `grads`, the raw
+    gradients of one push (raw_gradient), whose tensors came as `metas` and belong to
+    variables of `stored_dtypes`. Called with a block of one of them (a contiguous view, as
+    the check and the update take them), it returns the block's contents in its variable's
+    dtype: read through `read_block` first where one is given (ps_common.shm.BlockReader),
+    then converted where the wire dtype is not the variable's. The result is valid until
+    the next call."""
+
+    def __init__(self, grads: Sequence[np.ndarray], metas: Sequence[TensorMeta],
+                 stored_dtypes: Sequence[str], read_block: Callable | None = None):
+        self._read_block = read_block
+        self._converted: list[tuple[int, int, str, np.dtype]] = []  # address range, wire, stored
+        for grad, meta, stored in zip(grads, metas, stored_dtypes):
+            if grad.dtype != np.dtype(stored) and grad.size:
+                start = grad.ctypes.data
+                self._converted.append((start, start + grad.nbytes, meta.dtype,
+                                        np.dtype(stored)))
+
+    @property
+    def converts(self) -> bool:
+        """Whether any gradient needs converting (else `read_block` alone will do)."""
+        return bool(self._converted)
+
+    def __call__(self, block: np.ndarray) -> np.ndarray:
+        contents = block if self._read_block is None else self._read_block(block)
+        address = block.ctypes.data
+        for start, stop, wire, stored in self._converted:
+            if start <= address < stop:
+                return from_wire(contents, wire).astype(stored, copy=False)
+        return contents
+
+    def finish(self) -> None:
+        """The push is done with its gradients: `read_block`'s own finish, if it has one."""
+        finish = getattr(self._read_block, "finish", None)
+        if finish is not None:
+            finish()
