@@ -13,10 +13,13 @@ the kernel may write back and reclaim. The file is unlinked from the start, so n
 left behind even by a killed server.
 
 A finished push's file is kept open for the next staged push to write over, up to
-KEEP_IDLE_BYTES of such files: a fresh file costs the file system an allocation and a
-release of every block it holds (on ext4, about as much CPU as writing and reading the push
-once more). Nothing of an earlier push is ever read from a reused file: a push is decoded
-only once every one of its bytes has arrived, written over the old ones.
+KEEP_IDLE_BYTES and MAX_IDLE_FILES of such files: a fresh file costs the file system an
+allocation and a release of every block it holds (on ext4, about as much CPU as writing and
+reading the push once more). Nothing of an earlier push is ever read from a reused file: a
+push is decoded only once every one of its bytes has arrived, written over the old ones, and
+a file is reused only once no view of its last push's mapping is left. A kept file's bytes
+are written back to disk like any file's; on a tmpfs (which --spill-dir should not be) they
+stay in memory, up to KEEP_IDLE_BYTES.
 
 Pushes that arrive in one message (most) are read in place and never staged.
 """
@@ -38,11 +41,11 @@ from ps_common.shm import BlockReader
 from ps_server.buffers import BufferPool
 
 MIN_PUSH_MEMORY = 16 << 20
-# Staging files kept open between pushes for reuse, at most this many bytes of them: their
-# bytes stay in the page cache (written back like any file's, and reclaimable then). A
-# larger push's file is released when the push ends, as it would be written back to disk
-# before it is reused more often than not.
+# Staging files kept open between pushes for reuse, at most this many bytes and files of
+# them, the longest idle closed first: their bytes stay in the page cache (written back like
+# any file's, and reclaimable then). A larger push's file is released when the push ends.
 KEEP_IDLE_BYTES = 256 << 20
+MAX_IDLE_FILES = 4
 
 
 @dataclass
@@ -70,26 +73,50 @@ class Staged:
             start += size
         self.reader = BlockReader(self.mapping, self.file)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Unmap the staged file; False if a view of it outlived the push (the mapping then
+        goes with the last view), so that the file must not be written again."""
         mapping, self.mapping = self.mapping, None
         self.data = self.reader = None
         if mapping is not None:
-            with contextlib.suppress(BufferError):  # a view outlived the push: GC unmaps
+            try:
                 mapping.close()
+            except BufferError:
+                return False
+        return True
+
+
+@dataclass
+class _Lease:
+    """A staging file lent to one push: reusable by a later one unless found otherwise."""
+
+    capacity: int
+    file: object
+    reusable: bool = True
 
 
 class _FileRegion:
     """Bytes `[start, start + length)` of a file, written with pwrite."""
 
-    def __init__(self, fd: int, start: int, length: int):
+    def __init__(self, fd: int, start: int, length: int, directory: str):
         self._fd, self._start, self._length = fd, start, length
+        self._directory = directory
 
     def __len__(self) -> int:
         return self._length
 
     def write_at(self, offset: int, data: memoryview) -> None:
         while len(data):
-            written = os.pwrite(self._fd, data, self._start + offset)
+            try:
+                written = os.pwrite(self._fd, data, self._start + offset)
+            except OSError as error:
+                # A copy-on-write file system needs new blocks even where the file has them.
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise ResourceExhausted(
+                    f"no room left to stage a push in {self._directory} "
+                    f"({error.strerror or error}); free space there, point --spill-dir "
+                    "elsewhere or raise --push-memory") from None
             data, offset = data[written:], offset + written
 
 
@@ -125,14 +152,14 @@ class PushStaging:
             if in_memory:
                 self._in_memory += total
         if not in_memory:
-            with self._file(total) as file:
-                starts = itertools.accumulate(sizes[:-1], initial=0)
-                staged = Staged(sizes, [_FileRegion(file.fileno(), start, size)
-                                        for start, size in zip(starts, sizes)], file=file)
+            with self._file(total) as lease:
+                fd, starts = lease.file.fileno(), itertools.accumulate(sizes[:-1], initial=0)
+                staged = Staged(sizes, [_FileRegion(fd, start, size, self.directory)
+                                        for start, size in zip(starts, sizes)], file=lease.file)
                 try:
                     yield staged
                 finally:
-                    staged.close()
+                    lease.reusable = staged.close()
             return
         buffers = []
         try:
@@ -157,35 +184,39 @@ class PushStaging:
             file.close()
 
     @contextlib.contextmanager
-    def _file(self, nbytes: int) -> Iterator:
+    def _file(self, nbytes: int) -> Iterator[_Lease]:
         """A staging file with room for `nbytes`: the smallest large enough of those kept
-        from earlier pushes, else a new one. Given back for reuse when the push ends."""
+        from earlier pushes, else a new one. Given back for reuse when the push ends, unless
+        the lease says otherwise or the push failed with an OSError (the file may be at
+        fault)."""
         with self._lock:
             fits = [entry for entry in self._idle_files if entry[0] >= nbytes]
             kept = min(fits, key=lambda entry: entry[0]) if fits else None
             if kept is not None:
                 self._idle_files.remove(kept)
-        capacity, file = kept or (nbytes, self._new_file(nbytes))
+        lease = _Lease(*kept) if kept else _Lease(nbytes, self._new_file(nbytes))
         with self._lock:
             self.staged_pushes += 1
             self.staging_files_made += kept is None
         try:
-            yield file
-        except OSError:  # the file itself may be at fault: never reuse it
-            file.close()
+            yield lease
+        except OSError:
+            lease.reusable = False
             raise
-        except BaseException:
-            self._give_back(capacity, file)
-            raise
-        self._give_back(capacity, file)
+        finally:
+            self._give_back(lease)
 
-    def _give_back(self, capacity: int, file) -> None:
+    def _give_back(self, lease: _Lease) -> None:
+        closing = []
         with self._lock:
-            keep = (not self._closed and capacity
-                    + sum(kept for kept, _ in self._idle_files) <= KEEP_IDLE_BYTES)
-            if keep:
-                self._idle_files.append((capacity, file))
-        if not keep:
+            if self._closed or not lease.reusable or lease.capacity > KEEP_IDLE_BYTES:
+                closing.append(lease.file)
+            else:
+                self._idle_files.append((lease.capacity, lease.file))
+                while (len(self._idle_files) > MAX_IDLE_FILES or sum(
+                        capacity for capacity, _ in self._idle_files) > KEEP_IDLE_BYTES):
+                    closing.append(self._idle_files.pop(0)[1])  # the longest idle
+        for file in closing:
             file.close()
 
     def _new_file(self, nbytes: int):

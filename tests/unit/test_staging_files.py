@@ -3,10 +3,14 @@ many bytes of them are kept, and which are never reused."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 
+import numpy as np
 import pytest
+
+from ps_common.errors import ResourceExhausted
 
 from ps_server import push_staging
 from ps_server.buffers import BufferPool
@@ -96,11 +100,35 @@ def test_close_releases_the_kept_files_and_those_given_back_later(staging):
     assert staging.idle_file_bytes() == 0
 
 
-def test_a_reused_file_shows_only_the_bytes_of_its_own_push(staging):
-    stage(staging, 64 * KIB, b"\xff" * 64 * KIB)
-    data = bytes(range(256)) * 16
-    with staging.stage([len(data)]) as staged:
+def test_at_most_max_idle_files_are_kept_the_longest_idle_closed_first(staging):
+    with contextlib.ExitStack() as pushes:
+        files = [pushes.enter_context(staging.stage([KIB])).file
+                 for _ in range(push_staging.MAX_IDLE_FILES + 2)]
+    # Given back in the reverse order of entering: the first two given back are closed.
+    assert [f.closed for f in files] == [False] * push_staging.MAX_IDLE_FILES + [True, True]
+    assert staging.idle_file_bytes() == push_staging.MAX_IDLE_FILES * KIB
+
+
+def test_a_file_whose_mapping_a_view_outlived_is_not_reused(staging):
+    data = b"\x01" * KIB
+    with staging.stage([KIB]) as staged:
         staged.destinations[0].write_at(0, memoryview(data))
         staged.finish()
-        assert bytes(staged.data[0]) == data
-        assert len(staged.data[0]) == len(data)
+        outliving = np.frombuffer(staged.data[0], np.uint8)
+        file = staged.file
+    assert file.closed and staging.idle_file_bytes() == 0
+    assert bytes(outliving) == data  # still readable: the mapping went with the file's last view
+    stage(staging, KIB)
+    assert staging.staging_files_made == 2  # the next push got a new file
+
+
+def test_a_full_file_system_is_resource_exhausted_naming_the_flags(staging, monkeypatch):
+    stage(staging, KIB)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(ResourceExhausted) as raised, staging.stage([KIB]) as staged:
+        staged.destinations[0].write_at(0, memoryview(b"\0" * KIB))
+    assert "--spill-dir" in str(raised.value) and "--push-memory" in str(raised.value)
