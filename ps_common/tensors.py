@@ -83,15 +83,30 @@ class TensorMeta:
 
 # ---- element conversion ---------------------------------------------------------------
 
+# Elements converted at a time, in scratch arrays that stay in the CPU's caches: whole-array
+# temporaries of a large tensor cost a page fault per 4 KiB, each time.
+CONVERT_BLOCK_ELEMENTS = 1 << 16
+
+
 def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     """Round float32 to bfloat16 (nearest even) and return the 16-bit patterns."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-    out = (rounded >> np.uint32(16)).astype("<u2")
-    nan = np.isnan(values)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    bits, out = flat.view(np.uint32), np.empty(flat.size, "<u2")
+    scratch = np.empty(min(CONVERT_BLOCK_ELEMENTS, flat.size), np.uint32)
+    rounding = np.empty_like(scratch)
+    for start in range(0, flat.size, CONVERT_BLOCK_ELEMENTS):
+        block = bits[start:start + CONVERT_BLOCK_ELEMENTS]
+        s, r = scratch[:block.size], rounding[:block.size]
+        np.right_shift(block, 16, out=r)  # r = 0x7FFF + the lowest bit kept: ties to even
+        np.bitwise_and(r, 1, out=r)
+        r += 0x7FFF
+        np.add(block, r, out=s)
+        np.right_shift(s, 16, out=s)
+        np.copyto(out[start:start + block.size], s, casting="unsafe")
+        nan = np.isnan(flat[start:start + block.size])
+        if nan.any():  # rounding may carry a NaN's mantissa into its sign: a quiet NaN instead
+            out[start:start + block.size][nan] = 0x7FC0
+    return out.reshape(np.shape(values))
 
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -126,8 +141,19 @@ def all_finite(values: np.ndarray, read_block=None) -> bool:
     exactly when all of its elements are (NaN propagates through both): two passes at memory
     speed, no temporary. `read_block(block)`, if given, returns the contents of each block
     to check (ps_common.shm.BlockReader: read from a file instead of a mapping)."""
-    return all(np.isfinite(block.max()) and np.isfinite(block.min())
-               for block in _finite_blocks(values, read_block))
+    return all(_finite_block(block) for block in _finite_blocks(values, read_block))
+
+
+_FLOAT16_EXPONENT = np.uint16(0x7C00)
+
+
+def _finite_block(block: np.ndarray) -> bool:
+    if block.dtype == np.float16:
+        # numpy reduces float16 element by element, ten times slower than this: a float16
+        # is NaN or Inf exactly when its exponent bits are all ones.
+        exponents = np.bitwise_and(block.view(np.uint16), _FLOAT16_EXPONENT)
+        return not block.size or int(exponents.max()) != 0x7C00
+    return bool(np.isfinite(block.max()) and np.isfinite(block.min()))
 
 
 def count_non_finite(values: np.ndarray, read_block=None) -> int:

@@ -126,8 +126,10 @@ class PushReceiver:
         stored = [held.spec.dtype for held in targets]
         converting = ConvertingReader(grads, header.metas, stored, read_block)
         if converting.converts:  # the check and the update convert a block at a time
+            self._store.check_gradients(targets, grads, converting.for_finiteness(), finite)
             read_block = converting
-        self._store.check_gradients(targets, grads, read_block, finite)
+        else:
+            self._store.check_gradients(targets, grads, read_block, finite)
         sync = header.step is not None and self.steps.kind_of(header.client_id) == SYNC
         # A sync step's sum and a row push's sum of repeated ids take their gradients whole.
         summed = [sync or (header.row_ids is not None and ids is not None)

@@ -87,6 +87,33 @@ def test_bfloat16_works_on_multidimensional_and_non_contiguous_input():
     assert np.array_equal(back.reshape(-1)[1:], values.reshape(-1)[1:])
 
 
+def _bfloat16_bits_whole(values: np.ndarray) -> np.ndarray:
+    """The rounding spelled out on whole arrays: what the blocked conversion must equal."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype("<u2")
+    out[np.isnan(values)] = 0x7FC0
+    return out
+
+
+def test_bfloat16_conversion_is_the_same_in_every_block_and_at_their_edges():
+    from ps_common.tensors import CONVERT_BLOCK_ELEMENTS
+    n = 3 * CONVERT_BLOCK_ELEMENTS + 7  # a last block shorter than the others
+    rng = np.random.default_rng(11)
+    # Every bit pattern class: normals of all exponents, subnormals, zeros, ties, NaNs
+    # (quiet and signalling, both signs), infinities, the largest finite values.
+    values = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    special = np.array([0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000,
+                        0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0x7F7FFFFF, 0x3F808000, 0x3F818000,
+                        0x3F807FFF, 0x477FFFFF], np.uint32).view(np.float32)
+    for edge in (0, CONVERT_BLOCK_ELEMENTS - 1, CONVERT_BLOCK_ELEMENTS, n - len(special)):
+        values[edge:edge + len(special)] = special
+    got = float32_to_bfloat16_bits(values.reshape(-1, 1))
+    assert got.shape == (n, 1) and got.dtype == np.dtype("<u2")
+    np.testing.assert_array_equal(got.reshape(-1), _bfloat16_bits_whole(values))
+    assert float32_to_bfloat16_bits(np.zeros((0, 3), np.float32)).shape == (0, 3)
+
+
 def test_to_wire_and_from_wire():
     values = np.array([[1.0, -2.5], [3.25, 1e-3]], dtype=np.float32)
     for wire in WIRE_DTYPES:
@@ -366,6 +393,24 @@ def test_all_finite_finds_one_bad_element_in_any_block(bad, where, dtype):
     assert all_finite(values)
     values[where] = bad
     assert not all_finite(values)
+
+
+def test_all_finite_on_float16_reads_the_exponent_of_every_element():
+    """float16 is tested on its bit patterns: the largest finite values, subnormals and
+    signed zeros pass; every NaN and infinity fails, in any block."""
+    edges = np.array([0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x0000, 0x8000, 0x3C00], np.uint16)
+    bad = np.array([0x7C00, 0xFC00, 0x7C01, 0x7E00, 0xFFFF, 0x7FFF], np.uint16)
+    values = np.resize(edges, 2 * FINITE_BLOCK_ELEMENTS + 5).view(np.float16)
+    assert all_finite(values) and np.isfinite(values).all()
+    for pattern in bad:
+        for where in (1, FINITE_BLOCK_ELEMENTS, len(values) - 1):
+            broken = values.copy()
+            broken.view(np.uint16)[where] = pattern
+            assert not all_finite(broken), hex(pattern)
+    assert all_finite(np.zeros(0, np.float16))
+    strided = values.copy()
+    strided.view(np.uint16)[3] = 0x7C00
+    assert not all_finite(strided[::3]) and all_finite(strided[1::3])
 
 
 def test_all_finite_takes_huge_finite_values_whose_sum_overflows():
