@@ -125,11 +125,11 @@ class PushReceiver:
             self.steps.check_member(header.client_id, header.incarnation)
         stored = [held.spec.dtype for held in targets]
         converting = ConvertingReader(grads, header.metas, stored, read_block)
-        if converting.converts:  # the check and the update convert a block at a time
-            self._store.check_gradients(targets, grads, converting.for_finiteness(), finite)
+        # Checked as they came (all_finite takes every wire dtype's raw form); converted a
+        # block at a time by the update.
+        self._store.check_gradients(targets, grads, read_block, finite)
+        if converting.converts:
             read_block = converting
-        else:
-            self._store.check_gradients(targets, grads, read_block, finite)
         sync = header.step is not None and self.steps.kind_of(header.client_id) == SYNC
         # A sync step's sum and a row push's sum of repeated ids take their gradients whole.
         summed = [sync or (header.row_ids is not None and ids is not None)
@@ -199,7 +199,7 @@ class FiniteOnArrival:
     (a wire dtype numpy cannot test, a piece that splits an element) or that holds a
     non-finite value is left out of `finite()`, for the full check to decide and report."""
 
-    _CHECKABLE = frozenset(("float16", "float32", "float64"))
+    _CHECKABLE = frozenset(("float16", "float32", "float64", "bfloat16"))  # all_finite's
 
     def __init__(self, metas: list[TensorMeta]):
         self._dtypes = [wire_raw_dtype(meta.dtype) if meta.dtype in self._CHECKABLE else None

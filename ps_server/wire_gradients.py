@@ -4,10 +4,12 @@ A gradient pushed in another wire dtype than its variable's (float16 or bfloat16
 float32 variable, to halve the bytes on the wire) used to be converted whole on arrival:
 a temporary the size of the variable's values, beside them, for as long as the push took
 to check and apply (the server's peak RSS about twice the values for a large variable).
-Instead, the check and the update read such a gradient through a `ConvertingReader`,
-which converts each block they read, in the cache-sized blocks they already work in.
+Instead, the update reads such a gradient through a `ConvertingReader`, which converts
+each block it reads, in the cache-sized blocks it already works in; the finiteness check
+reads it as it came (a value is finite in the wider dtype exactly when it is in the
+narrower one, and ps_common.tensors.all_finite takes bfloat16's raw form).
 
-Only what needs a gradient whole converts it whole (`whole`): the sum of a row push's
+Only what needs a gradient whole converts it whole (`whole_gradient`): the sum of a row push's
 repeated ids and a sync step's sum, which hold copies of their own anyway.
 """
 
@@ -38,18 +40,13 @@ class ConvertingReader:
     the check and the update take them), it returns the block's contents in its variable's
     dtype: read through `read_block` first where one is given (ps_common.shm.BlockReader),
     then converted where the wire dtype is not the variable's. The result is valid until
-    the next call.
-
-    `for_finiteness()` is the same reader for the finiteness check, which needs fewer
-    conversions: a wire dtype is never wider than the stored one (check_narrowing), so a
-    value is finite in the stored dtype exactly when it is in the wire's, and only bfloat16
-    (raw uint16 to numpy) must be decoded to be checked."""
+    the next call."""
 
     def __init__(self, grads: Sequence[np.ndarray], metas: Sequence[TensorMeta],
                  stored_dtypes: Sequence[str], read_block: Callable | None = None):
         self._read_block = read_block
         # Per gradient to convert: its address range, wire dtype and the dtype to make.
-        self._converted: list[tuple[int, int, str, np.dtype | None]] = []
+        self._converted: list[tuple[int, int, str, np.dtype]] = []
         for grad, meta, stored in zip(grads, metas, stored_dtypes):
             if grad.dtype != np.dtype(stored) and grad.size:
                 start = grad.ctypes.data
@@ -61,19 +58,12 @@ class ConvertingReader:
         """Whether any gradient needs converting (else `read_block` alone will do)."""
         return bool(self._converted)
 
-    def for_finiteness(self) -> "ConvertingReader":
-        checking = ConvertingReader([], [], [], self._read_block)
-        checking._converted = [(start, stop, wire, None)  # decoded, not cast
-                               for start, stop, wire, _ in self._converted if wire == "bfloat16"]
-        return checking
-
     def __call__(self, block: np.ndarray) -> np.ndarray:
         contents = block if self._read_block is None else self._read_block(block)
         address = block.ctypes.data
         for start, stop, wire, stored in self._converted:
             if start <= address < stop:
-                decoded = from_wire(contents, wire)
-                return decoded if stored is None else decoded.astype(stored, copy=False)
+                return from_wire(contents, wire).astype(stored, copy=False)
         return contents
 
     def finish(self) -> None:

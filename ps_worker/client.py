@@ -1287,9 +1287,9 @@ class PSClient:
         wire = self._check_gradient(spec, grad, shape, wire_dtype)
         with np.errstate(over="ignore"):
             encoded = to_wire(grad, wire)
-        # Checked after narrowing: a value that overflows the wire dtype becomes Inf.
-        decoded = from_wire(encoded, wire)
-        if not self._allow_non_finite and decoded.size and not all_finite(decoded):
+        # Checked after narrowing (a value that overflows the wire dtype becomes Inf), in
+        # the wire's raw form, which all_finite takes: nothing decoded.
+        if not self._allow_non_finite and encoded.size and not all_finite(encoded):
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"variable {spec.name!r}: gradient has non-finite values (NaN or "
                                f"Inf) in wire dtype {wire}; nothing was applied")

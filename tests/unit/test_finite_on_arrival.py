@@ -40,8 +40,10 @@ def test_a_piece_that_splits_an_element_is_left_to_the_full_check():
     assert arrive([a, b], ["float16", "float32"], chunk=64) == {0}
 
 
-def test_bfloat16_is_left_to_the_full_check():
-    raw = np.zeros(64, np.uint16)  # bfloat16 bytes: numpy cannot test them as floats
+def test_bfloat16_is_checked_on_its_bit_patterns():
+    raw = np.full(64, 0x3F80, np.uint16)  # bfloat16 1.0
+    assert arrive([raw], ["bfloat16"], chunk=64) == {0}
+    raw[-1] = 0x7F80  # +Inf
     assert arrive([raw], ["bfloat16"], chunk=64) == frozenset()
 
 

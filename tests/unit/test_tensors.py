@@ -413,6 +413,16 @@ def test_all_finite_on_float16_reads_the_exponent_of_every_element():
     assert not all_finite(strided[::3]) and all_finite(strided[1::3])
 
 
+def test_all_finite_takes_bfloat16_in_its_raw_wire_form():
+    values = np.array([1.0, -3.38e38, 3.38e38, 1e-40, 0.0, -0.0], np.float32)  # max 3.39e38
+    raw = to_wire(values, "bfloat16")
+    assert raw.dtype == np.uint16 and all_finite(raw)
+    for bad in (np.inf, -np.inf, np.nan):
+        broken = to_wire(np.append(values, bad), "bfloat16")
+        assert not all_finite(broken) and count_non_finite(broken) == 1
+    assert not all_finite(to_wire(np.array([3.4e38 * 1.0001], np.float32), "bfloat16"))
+
+
 def test_all_finite_takes_huge_finite_values_whose_sum_overflows():
     values = np.full(1000, np.finfo(np.float32).max, np.float32)
     with np.errstate(over="ignore"):
