@@ -61,6 +61,18 @@ def check_narrowing(stored: str, wire: str, *, variable: str) -> None:
         )
 
 
+# The largest finite value of each wire dtype, and so of each stored one.
+_LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
+            "float32": float(np.finfo(np.float32).max), "float64": float(np.finfo(np.float64).max)}
+
+
+def finite_in_both(wire: str, stored: str) -> bool:
+    """Whether a value finite in `wire` stays finite converted to `stored` (so that a
+    gradient can be checked as it came). Every narrowing but bfloat16 into float16 (same
+    size, far larger range)."""
+    return _LARGEST[wire] <= _LARGEST[stored]
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     dtype: str  # a wire dtype name

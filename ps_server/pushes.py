@@ -17,7 +17,9 @@ import numpy as np
 
 from ps_common.consistency import SYNC
 from ps_common.errors import InvalidArgument
-from ps_common.tensors import StreamAssembler, TensorMeta, all_finite, wire_raw_dtype
+from ps_common.tensors import (
+    StreamAssembler, TensorMeta, all_finite, finite_in_both, wire_raw_dtype,
+)
 from ps_server.consistency import Contribution, PushOutcome, StepGate
 from ps_server.ledger import PushLedger
 from ps_server.push_staging import PushStaging
@@ -63,7 +65,8 @@ class PushReceiver:
                 pass
             return self._duplicate(header)
         targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
-        arrival = None if self._store.allow_non_finite else FiniteOnArrival(header.metas)
+        arrival = None if self._store.allow_non_finite else FiniteOnArrival(
+            header.metas, [held.spec.dtype for held in targets])
         with self._staging.stage([meta.nbytes for meta in header.metas]) as staged:
             assembler = StreamAssembler(staged.destinations, what="push", on_write=arrival)
             assembler.write(first_data)
@@ -125,9 +128,12 @@ class PushReceiver:
             self.steps.check_member(header.client_id, header.incarnation)
         stored = [held.spec.dtype for held in targets]
         converting = ConvertingReader(grads, header.metas, stored, read_block)
-        # Checked as they came (all_finite takes every wire dtype's raw form); converted a
+        # Checked as they came where the wire's finite values are the stored dtype's too
+        # (all_finite takes every wire dtype's raw form), converted where not; converted a
         # block at a time by the update.
-        self._store.check_gradients(targets, grads, read_block, finite)
+        checking = ConvertingReader(grads, header.metas, stored, read_block, for_finiteness=True)
+        self._store.check_gradients(targets, grads, checking if checking.converts else read_block,
+                                    finite)
         if converting.converts:
             read_block = converting
         sync = header.step is not None and self.steps.kind_of(header.client_id) == SYNC
@@ -197,13 +203,13 @@ class FiniteOnArrival:
     the check no longer reads the whole push back from memory, or from its staging file,
     before the update reads it once more. A tensor whose pieces cannot be checked that way
     (a wire dtype numpy cannot test, a piece that splits an element) or that holds a
-    non-finite value is left out of `finite()`, for the full check to decide and report."""
+    non-finite value is left out of `finite()`, for the full check to decide and report.
+    So is a tensor whose finite values may overflow its variable's dtype (bfloat16 into a
+    float16 variable: ps_common.tensors.finite_in_both)."""
 
-    _CHECKABLE = frozenset(("float16", "float32", "float64", "bfloat16"))  # all_finite's
-
-    def __init__(self, metas: list[TensorMeta]):
-        self._dtypes = [wire_raw_dtype(meta.dtype) if meta.dtype in self._CHECKABLE else None
-                        for meta in metas]
+    def __init__(self, metas: list[TensorMeta], stored_dtypes: list[str]):
+        self._dtypes = [wire_raw_dtype(meta.dtype) if finite_in_both(meta.dtype, stored) else None
+                        for meta, stored in zip(metas, stored_dtypes)]
         self._unchecked = {i for i, dtype in enumerate(self._dtypes) if dtype is None}
 
     def __call__(self, tensor: int, offset: int, data: memoryview) -> None:

@@ -6,8 +6,9 @@ a temporary the size of the variable's values, beside them, for as long as the p
 to check and apply (the server's peak RSS about twice the values for a large variable).
 Instead, the update reads such a gradient through a `ConvertingReader`, which converts
 each block it reads, in the cache-sized blocks it already works in; the finiteness check
-reads it as it came (a value is finite in the wider dtype exactly when it is in the
-narrower one, and ps_common.tensors.all_finite takes bfloat16's raw form).
+reads it as it came (a value finite in the narrower dtype is finite in the wider one, and
+ps_common.tensors.all_finite takes bfloat16's raw form), but for bfloat16 into float16,
+whose finite values may overflow: that is checked converted, a block at a time.
 
 Only what needs a gradient whole converts it whole (`whole_gradient`): the sum of a row push's
 repeated ids and a sync step's sum, which hold copies of their own anyway.
@@ -19,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ps_common.tensors import TensorMeta, from_wire, wire_raw_dtype
+from ps_common.tensors import TensorMeta, finite_in_both, from_wire, wire_raw_dtype
 
 
 def raw_gradient(buffer, meta: TensorMeta) -> np.ndarray:
@@ -40,14 +41,21 @@ class ConvertingReader:
     the check and the update take them), it returns the block's contents in its variable's
     dtype: read through `read_block` first where one is given (ps_common.shm.BlockReader),
     then converted where the wire dtype is not the variable's. The result is valid until
-    the next call."""
+    the next call.
+
+    With `for_finiteness`, it converts only the gradients that cannot be checked for NaN
+    and Inf as they came (ps_common.tensors.finite_in_both: bfloat16 into float16, whose
+    finite values may overflow), for ShardStore.check_gradients."""
 
     def __init__(self, grads: Sequence[np.ndarray], metas: Sequence[TensorMeta],
-                 stored_dtypes: Sequence[str], read_block: Callable | None = None):
+                 stored_dtypes: Sequence[str], read_block: Callable | None = None,
+                 *, for_finiteness: bool = False):
         self._read_block = read_block
         # Per gradient to convert: its address range, wire dtype and the dtype to make.
         self._converted: list[tuple[int, int, str, np.dtype]] = []
         for grad, meta, stored in zip(grads, metas, stored_dtypes):
+            if for_finiteness and finite_in_both(meta.dtype, stored):
+                continue  # checked as it came
             if grad.dtype != np.dtype(stored) and grad.size:
                 start = grad.ctypes.data
                 self._converted.append((start, start + grad.nbytes, meta.dtype,
@@ -63,7 +71,8 @@ class ConvertingReader:
         address = block.ctypes.data
         for start, stop, wire, stored in self._converted:
             if start <= address < stop:
-                return from_wire(contents, wire).astype(stored, copy=False)
+                with np.errstate(over="ignore"):  # bfloat16 into float16: Inf, refused
+                    return from_wire(contents, wire).astype(stored, copy=False)
         return contents
 
     def finish(self) -> None:

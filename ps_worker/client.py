@@ -42,7 +42,8 @@ from ps_common.status import RemoteError
 from ps_common.tls import TLS
 from ps_common.tensors import (
     WIRE_DTYPES, StreamAssembler, TensorMeta, all_finite, array_reader, decode_chunk,
-    dtype_to_proto, encode_chunk, from_wire, iter_chunks, to_wire, wire_itemsize, wire_raw_dtype,
+    dtype_to_proto, encode_chunk, finite_in_both, from_wire, iter_chunks, to_wire, wire_itemsize,
+    wire_raw_dtype,
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
 from ps_worker.one_call_pulls import MAX_KEPT as MAX_KEPT_PULLS, OneCallPull
@@ -1288,8 +1289,13 @@ class PSClient:
         with np.errstate(over="ignore"):
             encoded = to_wire(grad, wire)
         # Checked after narrowing (a value that overflows the wire dtype becomes Inf), in
-        # the wire's raw form, which all_finite takes: nothing decoded.
-        if not self._allow_non_finite and encoded.size and not all_finite(encoded):
+        # the wire's raw form, which all_finite takes: nothing decoded; or as the server
+        # will store it, where a finite value of the wire dtype may overflow that.
+        checked = encoded
+        if not finite_in_both(wire, spec.dtype):
+            with np.errstate(over="ignore"):
+                checked = from_wire(encoded, wire).astype(spec.dtype)
+        if not self._allow_non_finite and checked.size and not all_finite(checked):
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"variable {spec.name!r}: gradient has non-finite values (NaN or "
                                f"Inf) in wire dtype {wire}; nothing was applied")

@@ -803,18 +803,25 @@ def test_raw_push_unknown_variable_is_not_found(raw):
     assert_same_values(before, pull_all(ps))
 
 
-def test_raw_push_with_nan_refuses_every_shard_it_carries(raw):
-    """One server, one push carrying a valid gradient for 'b' and a NaN for its shard of
-    'w': nothing of it is applied."""
+def b_and_its_servers_part_of_w(raw):
+    """(stub, epoch, the index of w's shard on b's server, its rows): a push to b's server
+    of b and that shard of w."""
     ps, stub_for = raw
     shard_map = ps.shard_map
     (b_shard,) = shard_map.shards["b"]
     w_shard = next(s for s in shard_map.shards["w"] if s.server_id == b_shard.server_id)
     stub, epoch = stub_for("b", 0)
-    rows = w_shard.row_stop - w_shard.row_start
+    return stub, epoch, w_shard.index, w_shard.row_stop - w_shard.row_start
+
+
+def test_raw_push_with_nan_refuses_every_shard_it_carries(raw):
+    """One server, one push carrying a valid gradient for 'b' and a NaN for its shard of
+    'w': nothing of it is applied."""
+    ps, _ = raw
+    stub, epoch, w_index, rows = b_and_its_servers_part_of_w(raw)
     w_grad = np.ones((rows, 10), np.float32)
     w_grad[-1, -1] = np.nan
-    h = header(epoch, [("b", 0, F32, (10,)), ("w", w_shard.index, F32, (rows, 10))])
+    h = header(epoch, [("b", 0, F32, (10,)), ("w", w_index, F32, (rows, 10))])
     data = np.ones(10, np.float32).tobytes() + w_grad.tobytes()
     before = pull_all(ps)
     err = raw_error(lambda: push_raw(stub, [ps_pb.PushChunk(header=h, data=data[:96]),
@@ -829,17 +836,13 @@ def test_raw_push_with_nan_refuses_every_shard_it_carries(raw):
 ], ids=["float16", "bfloat16"])
 def test_raw_narrowed_push_with_an_infinity_refuses_every_shard_it_carries(raw, wire,
                                                                            infinity):
-    """The server converts a narrowed gradient a block at a time as it checks it: an
-    infinity in the last element of the second tensor is found all the same."""
-    ps, stub_for = raw
-    shard_map = ps.shard_map
-    (b_shard,) = shard_map.shards["b"]
-    w_shard = next(s for s in shard_map.shards["w"] if s.server_id == b_shard.server_id)
-    stub, epoch = stub_for("b", 0)
-    rows = w_shard.row_stop - w_shard.row_start
+    """The server checks a narrowed gradient on its bit patterns, as it came: an infinity
+    in the last element of the second tensor is found, and nothing is applied."""
+    ps, _ = raw
+    stub, epoch, w_index, rows = b_and_its_servers_part_of_w(raw)
     one = np.ones(1, np.float16).tobytes() if wire == tensor_pb2.FLOAT16 else \
         np.array([0x3F80], "<u2").tobytes()  # 1.0
-    h = header(epoch, [("b", 0, wire, (10,)), ("w", w_shard.index, wire, (rows, 10))])
+    h = header(epoch, [("b", 0, wire, (10,)), ("w", w_index, wire, (rows, 10))])
     data = one * 10 + one * (rows * 10 - 1) + infinity
     before = pull_all(ps)
     err = raw_error(lambda: push_raw(stub, [ps_pb.PushChunk(header=h, data=data[:48]),
@@ -848,7 +851,7 @@ def test_raw_narrowed_push_with_an_infinity_refuses_every_shard_it_carries(raw, 
     assert "non-finite" in err.details()
     assert_same_values(before, pull_all(ps))
     data = one * 10 + one * rows * 10  # control: the same push, finite, is applied
-    h = header(epoch, [("b", 0, wire, (10,)), ("w", w_shard.index, wire, (rows, 10))])
+    h = header(epoch, [("b", 0, wire, (10,)), ("w", w_index, wire, (rows, 10))])
     push_raw(stub, [ps_pb.PushChunk(header=h, data=data)])
     np.testing.assert_array_equal(ps.pull("b"), before["b"] - 1.0)
 

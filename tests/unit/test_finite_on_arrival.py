@@ -11,7 +11,8 @@ from ps_server.pushes import FiniteOnArrival
 
 def arrive(tensors: list[np.ndarray], wire: list[str], chunk: int) -> frozenset[int]:
     metas = [TensorMeta(w, t.shape) for t, w in zip(tensors, wire)]
-    check = FiniteOnArrival(metas)
+    check = FiniteOnArrival(metas, [t.dtype.name if t.dtype != np.uint16 else "float32"
+                                    for t in tensors])
     buffers = [np.empty(t.nbytes, np.uint8) for t in tensors]
     assembler = StreamAssembler(buffers, what="push", on_write=check)
     stream = b"".join(t.tobytes() for t in tensors)
@@ -38,6 +39,16 @@ def test_a_piece_that_splits_an_element_is_left_to_the_full_check():
     # 3 float16 (6 bytes) first: every later chunk boundary falls 2 bytes into a float32.
     a, b = np.ones(3, np.float16), np.ones(100, np.float32)
     assert arrive([a, b], ["float16", "float32"], chunk=64) == {0}
+
+
+def test_bfloat16_into_a_float16_variable_is_left_to_the_full_check():
+    """Finite bfloat16 values may overflow float16: the full check converts them first."""
+    metas = [TensorMeta("bfloat16", (64,))]
+    check = FiniteOnArrival(metas, ["float16"])
+    assembler = StreamAssembler([np.empty(128, np.uint8)], what="push", on_write=check)
+    assembler.write(np.full(64, 0x3F80, np.uint16).tobytes())  # bfloat16 1.0
+    assembler.finish()
+    assert check.finite() == frozenset()
 
 
 def test_bfloat16_is_checked_on_its_bit_patterns():

@@ -413,6 +413,20 @@ def test_all_finite_on_float16_reads_the_exponent_of_every_element():
     assert not all_finite(strided[::3]) and all_finite(strided[1::3])
 
 
+def test_finite_in_both_holds_for_every_narrowing_but_bfloat16_into_float16():
+    from ps_common.tensors import finite_in_both
+    for stored in ("float16", "float32", "float64"):
+        for wire in WIRE_DTYPES:
+            if wire_itemsize(wire) > np.dtype(stored).itemsize:
+                continue  # refused (check_narrowing)
+            largest = (3.3895313892515355e38 if wire == "bfloat16"
+                       else float(np.finfo(wire).max))
+            with np.errstate(over="ignore"):
+                stays_finite = bool(np.isfinite(np.array(largest).astype(stored)))
+            assert finite_in_both(wire, stored) == stays_finite, (wire, stored)
+    assert not finite_in_both("bfloat16", "float16")
+
+
 def test_all_finite_takes_bfloat16_in_its_raw_wire_form():
     values = np.array([1.0, -3.38e38, 3.38e38, 1e-40, 0.0, -0.0], np.float32)  # max 3.39e38
     raw = to_wire(values, "bfloat16")

@@ -1,18 +1,20 @@
-"""A push in a narrower wire dtype than its variable's is converted a block at a time by the
-server, never whole: no temporary the size of the variable's values beside them
-(ps_server.wire_gradients). Measured with tracemalloc, which sees numpy's arrays and
-Python's bytes, around the server's handling of each push."""
+"""Pushes in a narrower wire dtype than their variable's: applied exactly, converted a block
+at a time by the server, never whole (no temporary the size of the variable's values beside
+them, ps_server.wire_gradients; measured with tracemalloc, which sees numpy's arrays and
+Python's bytes, around the server's handling of each push), and refused when a value
+overflows the variable's dtype."""
 
 from __future__ import annotations
 
 import tracemalloc
 
+import grpc
 import numpy as np
 import pytest
 
 from ps_common.tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from ps_server.pushes import PushReceiver
-from ps_worker import PSClient
+from ps_worker import PSClient, RemoteError
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 ELEMENTS = 1 << 23  # 32 MiB of float32 values
@@ -116,3 +118,44 @@ def test_a_narrowed_push_in_the_sync_mode_is_applied_exactly(make_cluster, data_
         ps.push({"w": grad.astype(np.float32)}, wire_dtype="float16")
         ps.push({"w": grad.astype(np.float32)}, wire_dtype="float16")
         np.testing.assert_array_equal(ps.pull("w"), -2 * grad.astype(np.float32))
+
+
+def overflowing_float16() -> np.ndarray:
+    """Finite in float32 and in bfloat16, Inf in float16 (largest finite: 65504)."""
+    grad = np.ones(4096, np.float32)
+    grad[-1] = 1e5
+    return grad
+
+
+def test_a_bfloat16_push_overflowing_a_float16_variable_is_refused_by_the_client(
+        make_cluster):
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("h", shape=(4096,), dtype="float16", init="zeros", optimizer=SGD1)
+        with pytest.raises(RemoteError) as refused:
+            ps.push({"h": overflowing_float16()}, wire_dtype="bfloat16")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "non-finite" in str(refused.value)
+        np.testing.assert_array_equal(ps.pull("h"), np.zeros(4096, np.float16))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_bfloat16_push_overflowing_a_float16_variable_is_refused_by_the_server(
+        make_cluster, data_path, mode):
+    """bfloat16's finite values reach 3.4e38: the server checks such a push converted to the
+    variable's dtype, not as it came (a client that allows non-finite values sends it)."""
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address, allow_non_finite=True) as ps:
+        ps.declare("h", shape=(4096,), dtype="float16", init="zeros", optimizer=SGD1)
+        ps.declare("w", shape=(4096,), init="zeros", optimizer=SGD1)
+        if mode == "sync":
+            ps.join_steps("sync")
+        with pytest.raises(RemoteError) as refused:
+            ps.push({"w": np.ones(4096, np.float32), "h": overflowing_float16()},
+                    wire_dtype="bfloat16")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "non-finite" in str(refused.value)
+        np.testing.assert_array_equal(ps.pull("h"), np.zeros(4096, np.float16))
+        np.testing.assert_array_equal(ps.pull("w"), np.zeros(4096, np.float32))
+        ps.push({"h": np.ones(4096, np.float32)}, wire_dtype="bfloat16")
+        np.testing.assert_array_equal(ps.pull("h"), -np.ones(4096, np.float16))
