@@ -152,10 +152,10 @@ FINITE_BLOCK_ELEMENTS = 1 << 20
 
 def all_finite(values: np.ndarray, read_block=None) -> bool:
     """Whether every element is finite (no NaN, no +-Inf). `values` is a float array or
-    bfloat16's raw wire form (uint16 bit patterns, to_wire), checked as it is: a value is
-    finite in any wider dtype exactly when it is in its own. `read_block(block)`, if given,
-    returns the contents of each block to check (ps_common.shm.BlockReader: read from a
-    file instead of a mapping)."""
+    bfloat16's raw wire form (uint16 bit patterns, to_wire), checked in its own dtype
+    (finite_in_both says when that answers for the dtype it will be stored in).
+    `read_block(block)`, if given, returns the contents of each block to check
+    (ps_common.shm.BlockReader: read from a file instead of a mapping)."""
     return all(_finite_block(block) for block in _finite_blocks(values, read_block))
 
 

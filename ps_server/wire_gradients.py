@@ -31,7 +31,8 @@ def raw_gradient(buffer, meta: TensorMeta) -> np.ndarray:
 def whole_gradient(grad: np.ndarray, meta: TensorMeta, stored_dtype: str) -> np.ndarray:
     """`grad` (raw_gradient) whole in its variable's dtype: a converted copy, or `grad`
     itself where it needs no conversion."""
-    return from_wire(grad, meta.dtype).astype(stored_dtype, copy=False)
+    with np.errstate(over="ignore"):  # bfloat16 into float16: Inf, refused unless allowed
+        return from_wire(grad, meta.dtype).astype(stored_dtype, copy=False)
 
 
 class ConvertingReader:
