@@ -182,8 +182,8 @@ class BlockReader:
     Call it with a view into the mapping (`block`): it returns an array of the same dtype,
     shape and contents, valid until the next call. A block that is not a contiguous view
     into the mapping (a converted copy) is returned as it is. Call `finish()` at the end of
-    the push: whatever was read through the mapping after all (a narrowed dtype's
-    conversion, a sync step's sum, a row push's) is dropped from this process's memory, and
+    the push: whatever was read through the mapping after all (a sync step's sum, a row
+    push's sum of repeated ids) is dropped from this process's memory, and
     with `close`, `file` is closed.
 
     Raises InvalidArgument when the file is shorter than the mapping (a client truncated its

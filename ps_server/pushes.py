@@ -128,20 +128,15 @@ class PushReceiver:
             self.steps.check_member(header.client_id, header.incarnation)
         stored = [held.spec.dtype for held in targets]
         converting = ConvertingReader(grads, header.metas, stored, read_block)
-        # Checked as they came where the wire's finite values are the stored dtype's too
-        # (all_finite takes every wire dtype's raw form), converted where not; converted a
-        # block at a time by the update.
-        checking = ConvertingReader(grads, header.metas, stored, read_block, for_finiteness=True)
-        self._store.check_gradients(targets, grads, checking if checking.converts else read_block,
-                                    finite)
-        if converting.converts:
-            read_block = converting
+        self._store.check_gradients(targets, grads, converting.for_finiteness(), finite)
+        read_block = converting.for_update()  # converts a block at a time
         sync = header.step is not None and self.steps.kind_of(header.client_id) == SYNC
-        # A sync step's sum and a row push's sum of repeated ids take their gradients whole.
-        summed = [sync or (header.row_ids is not None and ids is not None)
-                  for ids in (header.row_ids or [None] * len(grads))]
-        grads = [whole_gradient(grad, meta, dtype) if whole else grad
-                 for grad, meta, dtype, whole in zip(grads, header.metas, stored, summed)]
+        if sync or header.row_ids is not None:
+            # A sync step's sum and a row push's sum of repeated ids take their gradients
+            # whole.
+            row_ids = header.row_ids or [None] * len(grads)
+            grads = [whole_gradient(grad, meta, dtype) if sync or ids is not None else grad
+                     for grad, meta, dtype, ids in zip(grads, header.metas, stored, row_ids)]
         rows = self._store.sum_rows(targets, grads, header.row_ids)
         if sync:
             if any(r is not None for r in rows or ()):

@@ -42,30 +42,36 @@ class ConvertingReader:
     the check and the update take them), it returns the block's contents in its variable's
     dtype: read through `read_block` first where one is given (ps_common.shm.BlockReader),
     then converted where the wire dtype is not the variable's. The result is valid until
-    the next call.
-
-    With `for_finiteness`, it converts only the gradients that cannot be checked for NaN
-    and Inf as they came (ps_common.tensors.finite_in_both: bfloat16 into float16, whose
-    finite values may overflow), for ShardStore.check_gradients."""
+    the next call. `for_update()` and `for_finiteness()` say what to read each pass with."""
 
     def __init__(self, grads: Sequence[np.ndarray], metas: Sequence[TensorMeta],
-                 stored_dtypes: Sequence[str], read_block: Callable | None = None,
-                 *, for_finiteness: bool = False):
+                 stored_dtypes: Sequence[str], read_block: Callable | None = None):
         self._read_block = read_block
         # Per gradient to convert: its address range, wire dtype and the dtype to make.
         self._converted: list[tuple[int, int, str, np.dtype]] = []
         for grad, meta, stored in zip(grads, metas, stored_dtypes):
-            if for_finiteness and finite_in_both(meta.dtype, stored):
-                continue  # checked as it came
             if grad.dtype != np.dtype(stored) and grad.size:
                 start = grad.ctypes.data
                 self._converted.append((start, start + grad.nbytes, meta.dtype,
                                         np.dtype(stored)))
 
-    @property
-    def converts(self) -> bool:
-        """Whether any gradient needs converting (else `read_block` alone will do)."""
-        return bool(self._converted)
+    def for_update(self) -> Callable | None:
+        """What the update reads blocks with: this reader, or `read_block` alone where no
+        gradient needs converting."""
+        return self if self._converted else self._read_block
+
+    def for_finiteness(self) -> Callable | None:
+        """What the finiteness check reads blocks with: a gradient is checked as it came
+        (all_finite takes every wire dtype's raw form) unless a finite value of its wire
+        dtype may overflow its variable's (ps_common.tensors.finite_in_both: bfloat16 into
+        float16), which is checked converted."""
+        overflowing = [entry for entry in self._converted
+                       if not finite_in_both(entry[2], entry[3].name)]
+        if not overflowing:
+            return self._read_block
+        checking = ConvertingReader((), (), (), self._read_block)
+        checking._converted = overflowing
+        return checking
 
     def __call__(self, block: np.ndarray) -> np.ndarray:
         contents = block if self._read_block is None else self._read_block(block)
