@@ -191,6 +191,22 @@ class CoordinatorClient:
             raise
         return reply.duplicate
 
+    def evaluation_read_parameters(self, worker_id: str, incarnation: int,
+                                   task_id: int) -> bool:
+        """Tell the coordinator that this evaluation has read the parameters it measures, so
+        that the next epoch may start while it computes; True if that started it. Raises
+        LeaseRevoked when this incarnation no longer holds the task."""
+        try:
+            reply = self._call("EvaluationReadParameters", pb.EvaluationReadParametersRequest(
+                worker_id=worker_id, incarnation=incarnation, task_id=task_id))
+        except RemoteError as error:
+            if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                raise LeaseRevoked(error.details()) from None
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return False  # an older coordinator: its next epoch waits for the report
+            raise
+        return reply.next_epoch_started
+
     def report_job_error(self, worker_id: str, incarnation: int, message: str) -> bool:
         """Tell the coordinator this worker cannot run the job; True if that failed the job."""
         reply = self._call("ReportJobError", pb.ReportJobErrorRequest(

@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -364,12 +365,17 @@ class Trainer:
         correct = self.model.evaluate(params, batch)[1] if hasattr(self.model, "evaluate") else 0
         return loss, grads, int(correct)
 
-    def evaluate(self, ps: PSClient) -> TaskResult:
+    def evaluate(self, ps: PSClient, parameters_read: Callable[[], None] | None = None
+                 ) -> TaskResult:
         """Loss and accuracy on the held-out set, and its AUC for a model that gives scores
         of binary labels. A model with tables has the rows of each test batch pulled (the
-        next batch's while this one is computed)."""
+        next batch's while this one is computed). `parameters_read` is called once every
+        value the evaluation measures has been pulled, before it computes: for a model
+        without tables, right after the one pull of its variables."""
         started = time.monotonic()
         params = self._on_device(ps.pull(self.names, out=self._buffers(0)))
+        if parameters_read is not None and not self.tables:
+            parameters_read()
         result = TaskResult()
         indices = np.arange(self.dataset.num_test)
         batch_size = EVAL_BATCH_WITH_TABLES if self.tables else EVAL_BATCH
@@ -548,7 +554,8 @@ class Worker:
                     continue
                 try:
                     result = (trainer.train(ps, task, self._interrupted)
-                              if task.kind == "train" else trainer.evaluate(ps))
+                              if task.kind == "train" else
+                              trainer.evaluate(ps, lambda task=task: self._parameters_read(task)))
                 except RemoteError as error:
                     # Servers refuse pushes of an incarnation the coordinator declared gone
                     # (FAILED_PRECONDITION is what a push gets for that, and only that).
@@ -576,6 +583,16 @@ class Worker:
                          result.loss_sum / max(1, result.examples),
                          "" if result.auc is None else f", auc {result.auc:.4f}",
                          result.seconds)
+
+    def _parameters_read(self, task: LeasedTask) -> None:
+        """The evaluation `task` has its parameters: the coordinator may start the next
+        epoch while it computes."""
+        try:
+            self._coordinator.evaluation_read_parameters(self.worker_id, self._incarnation,
+                                                         task.task_id)
+        except LeaseRevoked as revoked:
+            log.warning("task %d was taken back: %s", task.task_id, revoked)
+            raise Fenced() from None
 
     def _step_stats(self):
         """The client's StepStats (None before it exists, or in the async mode)."""

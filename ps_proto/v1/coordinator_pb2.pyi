@@ -779,6 +779,53 @@ class CompleteTaskReply(_message.Message):
 Global___CompleteTaskReply: _TypeAlias = CompleteTaskReply  # noqa: Y015
 
 @_typing.final
+class EvaluationReadParametersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    incarnation: _builtins.int
+    task_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+        task_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvaluationReadParametersRequest: _TypeAlias = EvaluationReadParametersRequest  # noqa: Y015
+
+@_typing.final
+class EvaluationReadParametersReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEXT_EPOCH_STARTED_FIELD_NUMBER: _builtins.int
+    next_epoch_started: _builtins.bool
+    """True when this call let the next epoch start; false when there was nothing to do (a
+    repeat, or the next epoch had started already).
+    """
+    def __init__(
+        self,
+        *,
+        next_epoch_started: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_epoch_started", b"next_epoch_started"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvaluationReadParametersReply: _TypeAlias = EvaluationReadParametersReply  # noqa: Y015
+
+@_typing.final
 class GetStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -87,6 +87,11 @@ class CoordinatorStub:
                 request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.FromString,
                 _registered_method=True)
+        self.EvaluationReadParameters = channel.unary_unary(
+                '/ps.v1.Coordinator/EvaluationReadParameters',
+                request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.EvaluationReadParametersRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.EvaluationReadParametersReply.FromString,
+                _registered_method=True)
         self.ReportJobError = channel.unary_unary(
                 '/ps.v1.Coordinator/ReportJobError',
                 request_serializer=ps__proto_dot_v1_dot_coordinator__pb2.ReportJobErrorRequest.SerializeToString,
@@ -175,6 +180,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EvaluationReadParameters(self, request, context):
+        """The holder of an evaluation task has read the parameters it measures: the next epoch
+        may start while it computes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportJobError(self, request, context):
         """The worker cannot run the job (its data or model does not load): the worker leaves, and
         a job that no worker has made progress on fails with this message.
@@ -250,6 +263,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CompleteTask,
                     request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.SerializeToString,
+            ),
+            'EvaluationReadParameters': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvaluationReadParameters,
+                    request_deserializer=ps__proto_dot_v1_dot_coordinator__pb2.EvaluationReadParametersRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_coordinator__pb2.EvaluationReadParametersReply.SerializeToString,
             ),
             'ReportJobError': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportJobError,
@@ -539,6 +557,33 @@ class Coordinator:
             '/ps.v1.Coordinator/CompleteTask',
             ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskRequest.SerializeToString,
             ps__proto_dot_v1_dot_coordinator__pb2.CompleteTaskReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvaluationReadParameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Coordinator/EvaluationReadParameters',
+            ps__proto_dot_v1_dot_coordinator__pb2.EvaluationReadParametersRequest.SerializeToString,
+            ps__proto_dot_v1_dot_coordinator__pb2.EvaluationReadParametersReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,10 @@ class CoordinatorStub:
     WorkerHeartbeat: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.WorkerHeartbeatRequest, _coordinator_pb2.WorkerHeartbeatReply]
     LeaseTask: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseTaskRequest, _coordinator_pb2.LeaseTaskReply]
     CompleteTask: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteTaskRequest, _coordinator_pb2.CompleteTaskReply]
+    EvaluationReadParameters: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.EvaluationReadParametersRequest, _coordinator_pb2.EvaluationReadParametersReply]
+    """The holder of an evaluation task has read the parameters it measures: the next epoch
+    may start while it computes.
+    """
     ReportJobError: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportJobErrorRequest, _coordinator_pb2.ReportJobErrorReply]
     """The worker cannot run the job (its data or model does not load): the worker leaves, and
     a job that no worker has made progress on fails with this message.
@@ -90,6 +94,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     WorkerHeartbeat: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.WorkerHeartbeatRequest, _coordinator_pb2.WorkerHeartbeatReply]  # type: ignore[assignment]
     LeaseTask: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseTaskRequest, _coordinator_pb2.LeaseTaskReply]  # type: ignore[assignment]
     CompleteTask: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteTaskRequest, _coordinator_pb2.CompleteTaskReply]  # type: ignore[assignment]
+    EvaluationReadParameters: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.EvaluationReadParametersRequest, _coordinator_pb2.EvaluationReadParametersReply]  # type: ignore[assignment]
+    """The holder of an evaluation task has read the parameters it measures: the next epoch
+    may start while it computes.
+    """
     ReportJobError: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportJobErrorRequest, _coordinator_pb2.ReportJobErrorReply]  # type: ignore[assignment]
     """The worker cannot run the job (its data or model does not load): the worker leaves, and
     a job that no worker has made progress on fails with this message.
@@ -183,6 +191,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.CompleteTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.CompleteTaskReply, _abc.Awaitable[_coordinator_pb2.CompleteTaskReply]]: ...
+
+    @_abc_1.abstractmethod
+    def EvaluationReadParameters(
+        self,
+        request: _coordinator_pb2.EvaluationReadParametersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.EvaluationReadParametersReply, _abc.Awaitable[_coordinator_pb2.EvaluationReadParametersReply]]:
+        """The holder of an evaluation task has read the parameters it measures: the next epoch
+        may start while it computes.
+        """
 
     @_abc_1.abstractmethod
     def ReportJobError(

@@ -7,9 +7,15 @@ No grpc here.
 
 Bounded by construction: no call scans every task or every worker the job ever had. The
 pending tasks are a heap, epochs keep counters and running metric sums, and only the
-current epoch's tasks are held (an epoch's tasks are dropped when its evaluation is done:
-task ids are issued in order, so an id below the current epoch's that was issued is known to
-be done). Leases and forgetting are heaps ordered by time, so reaping touches only members
+current epoch's tasks and the evaluations still running are held (an epoch's tasks are
+dropped when its evaluation is done, and only tasks that are done are dropped: an id that
+was issued and is not held is known to be done).
+
+An epoch's evaluation measures exactly the parameters the epoch ended with. The next epoch
+starts as soon as the evaluation has read them (`parameters_read`, from a worker evaluating a
+model without tables), or else when it is done, so the other workers train on while one
+evaluates. At most one evaluation runs behind the current epoch: an epoch that ends while an
+earlier evaluation still runs waits for it. Leases and forgetting are heaps ordered by time, so reaping touches only members
 whose time has come. What grows with the job is one EpochSummary per epoch.
 
 Persistence: `export_state()` is the same bounded state as plain JSON values (the current
@@ -114,6 +120,10 @@ class Task:
     # Who held it when a predecessor coordinator's state was saved: that holder may have
     # finished it since (its report went to the predecessor), so its report is still taken.
     resumed_holder: tuple[str, int] | None = None
+    # An evaluation: its holder has read the parameters it measures (the next epoch may
+    # have started since); and the job's training steps up to the end of its epoch.
+    parameters_read: bool = False
+    epoch_steps: int | None = None
 
 
 @dataclass
@@ -167,7 +177,8 @@ class JobRunner:
 
     `on_epoch_evaluated(summary, steps)` is called once for each epoch whose evaluation is
     reported done (the first report; never for epochs restored by `restore_state`), with the
-    epoch's EpochSummary and the job's training steps up to the end of that epoch. Like
+    epoch's EpochSummary and the job's training steps up to the end of that epoch (the next
+    epoch may be under way: see the module docstring). Like
     on_worker_gone, it is called after the lock is released on the reporting thread, may
     call back into the runner, and an exception it raises is logged and swallowed.
 
@@ -221,9 +232,13 @@ class JobRunner:
         self._gone: list[tuple[str, int]] = []
         # (summary, steps) of epochs evaluated since the lock was taken; likewise.
         self._evaluated: list[tuple[EpochSummary, int]] = []
-        # Only the current epoch's tasks; `_issued` is the highest task id ever handed out.
+        # The current epoch's tasks and the evaluations still running (at most one of an
+        # earlier epoch); `_issued` is the highest task id ever handed out.
         self._tasks: dict[int, Task] = {}
         self._issued = 0
+        # The current epoch's evaluation has read its parameters or is done: the next epoch
+        # may start (once no earlier evaluation is running).
+        self._epoch_released = False
         # Every PENDING task exactly once, as (not an evaluation, task_id): evaluations first
         # (they measure an epoch that has just ended), then the oldest task.
         self._pending: list[tuple[bool, int]] = []
@@ -290,7 +305,10 @@ class JobRunner:
     # ---- epochs and tasks (expect the lock held) --------------------------------------
 
     def _start_epoch(self, epoch: int) -> None:
+        # What is left of earlier epochs is an evaluation still running.
+        self._tasks = {i: t for i, t in self._tasks.items() if t.state is not TaskState.DONE}
         self._epoch = epoch
+        self._epoch_released = False
         self._train_done = 0
         self._summaries.append(EpochSummary(epoch, Metrics(), None))
         for index in range(self.job.tasks_per_epoch):
@@ -299,7 +317,8 @@ class JobRunner:
     def _add_task(self, kind: str, epoch: int, index: int) -> None:
         self._issued += 1
         task_id = self._issued
-        self._tasks[task_id] = Task(task_id, kind, epoch, index)
+        self._tasks[task_id] = Task(task_id, kind, epoch, index,
+                                    epoch_steps=self._steps if kind == "evaluate" else None)
         heapq.heappush(self._pending, (kind != "evaluate", task_id))
         self._wake_leases()
 
@@ -310,39 +329,54 @@ class JobRunner:
         self._changed.notify_all()
 
     def _record(self, task: Task, metrics: Metrics) -> None:
-        """A task of the current epoch is done: count it and add its metrics to its epoch."""
+        """A task is done: count it and add its metrics to its epoch (a training task's is
+        the current one; an evaluation's may be the one before)."""
         self._tasks_done += 1
-        summary = self._summaries[-1]
+        index = task.epoch - 1
+        summary = self._summaries[index]
         if task.kind == "train":
             self._train_done += 1
             self._steps += metrics.steps
-            self._summaries[-1] = EpochSummary(summary.epoch, summary.train + metrics,
-                                               summary.test)
+            self._summaries[index] = EpochSummary(summary.epoch, summary.train + metrics,
+                                                  summary.test)
         else:
-            self._summaries[-1] = EpochSummary(summary.epoch, summary.train, metrics)
-            self._evaluated.append((self._summaries[-1], self._steps))
+            self._summaries[index] = EpochSummary(summary.epoch, summary.train, metrics)
+            steps = task.epoch_steps if task.epoch_steps is not None else self._steps
+            self._evaluated.append((self._summaries[index], steps))
 
     def _advance(self, task: Task) -> None:
-        """After an epoch's last training task: its evaluation task. After that evaluation:
-        the epoch's tasks are dropped (every one is done), then the next epoch, or the end of
-        the job. The next epoch waits for the evaluation so that it measures exactly the
-        parameters the epoch ended with (evaluating the small held-out set takes far less
-        than a training task). A job that is no longer running does not advance."""
+        """After an epoch's last training task: its evaluation task. After an evaluation: its
+        epoch's tasks are dropped (every one is done), and the next epoch starts or the job
+        ends, as `_next_epoch` says. A job that is no longer running does not advance."""
         if self.state is not JobState.RUNNING:
             return
         if task.kind == "train":
             if self._train_done == self.job.tasks_per_epoch:
                 self._add_task("evaluate", self._epoch, 0)
             return
-        self._tasks = {}
+        if task.epoch == self._epoch:
+            self._epoch_released = True
+        self._tasks = {i: t for i, t in self._tasks.items()
+                       if t.epoch > task.epoch or t.state is not TaskState.DONE}
+        self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        """Start the next epoch once the current one's evaluation has read its parameters
+        (or is done) and no earlier evaluation is still running; after the last epoch, end
+        the job once every evaluation is done."""
+        if not self._epoch_released or any(
+                t.kind == "evaluate" and t.epoch < self._epoch for t in self._tasks.values()):
+            return  # held tasks of earlier epochs are evaluations not done yet
         if self._epoch < self.job.epochs:
             self._start_epoch(self._epoch + 1)
-        else:
-            self.state = JobState.DONE
-            self._wake_leases()
-            self._finished_at = self._clock.monotonic()
+        elif not any(t.kind == "evaluate" for t in self._tasks.values()):
+            self._finish(JobState.DONE)
 
     def _release(self, task: Task) -> None:
+        if task.kind == "evaluate" and task.parameters_read and task.epoch < self._epoch:
+            log.warning("the evaluation of epoch %d lost its worker after the next epoch had "
+                        "started; it runs again, on the parameters of that moment rather "
+                        "than those epoch %d ended with", task.epoch, task.epoch)
         task.state, task.holder = TaskState.PENDING, None
         heapq.heappush(self._pending, (task.kind != "evaluate", task.task_id))
         self._wake_leases()
@@ -576,6 +610,40 @@ class JobRunner:
             self._advance(task)
             return False
 
+    def parameters_read(self, worker_id: str, incarnation: int, task_id: int) -> bool:
+        """The holder of an evaluation has read the parameters it measures: the next epoch
+        may start while it computes (see `_next_epoch`). Returns True if this call started
+        it; False when it did not: a repeat, an evaluation done and dropped, the last epoch's,
+        one that waits for an earlier evaluation (the epoch starts when that one is done), or
+        one of an epoch that is over already (run again after its first holder was lost, it
+        measures the parameters of its own time).
+
+        Raises NotFound for a task id never issued, InvalidArgument for a training task and
+        FencedIncarnation when the caller does not hold the evaluation (as `complete`)."""
+        with self._locked():
+            task = self._tasks.get(task_id)
+            if task is None:
+                if 1 <= task_id <= self._issued:
+                    return False  # done, and dropped with its epoch
+                raise NotFound(f"task {task_id} does not exist")
+            if task.kind != "evaluate":
+                raise InvalidArgument(f"task {task_id} is a training task: only an evaluation "
+                                      "reads an epoch's parameters")
+            if task.state is TaskState.DONE:
+                return False
+            if (worker_id, incarnation) not in (task.holder, task.resumed_holder):
+                raise FencedIncarnation(
+                    f"worker {worker_id!r} incarnation {incarnation} does not hold task "
+                    f"{task_id} (its lease was revoked); register again")
+            task.parameters_read = True
+            if task.epoch != self._epoch or self._epoch_released \
+                    or self.state is not JobState.RUNNING:
+                return False
+            self._epoch_released = True
+            epoch = self._epoch
+            self._next_epoch()
+            return self._epoch != epoch
+
     def _note_steps(self, worker: Worker, steps: StepReport | None) -> None:
         """Keep the newest report of each incarnation (under the lock): the job's figures
         are the largest gap and the sum of drops over every incarnation that ever ran."""
@@ -649,7 +717,7 @@ class JobRunner:
 
     def tracked_tasks(self) -> int:
         """How many tasks the runner holds in memory (at most one epoch's, plus its
-        evaluation)."""
+        evaluation and the previous epoch's)."""
         with self._locked():
             return len(self._tasks)
 
@@ -705,6 +773,7 @@ class JobRunner:
                 "epoch": self._epoch,
                 "issued": self._issued,
                 "train_done": self._train_done,
+                "epoch_released": self._epoch_released,
                 "tasks_done": self._tasks_done,
                 "steps": self._steps,
                 "elapsed_s": end - self._started_at,
@@ -713,7 +782,9 @@ class JobRunner:
                            "index": t.index, "state": t.state.value,
                            "holder": list(t.holder) if t.holder else None,
                            "attempts": t.attempts,
-                           "metrics": asdict(t.metrics) if t.metrics else None}
+                           "metrics": asdict(t.metrics) if t.metrics else None,
+                           "parameters_read": t.parameters_read,
+                           "epoch_steps": t.epoch_steps}
                           for t in self._tasks.values()],
                 "summaries": [{"epoch": s.epoch, "train": asdict(s.train),
                                "test": asdict(s.test) if s.test else None}
@@ -752,7 +823,9 @@ class JobRunner:
                                         TaskState(t["state"]),
                                         tuple(t["holder"]) if t["holder"] else None,
                                         t["attempts"],
-                                        Metrics(**t["metrics"]) if t["metrics"] else None)
+                                        Metrics(**t["metrics"]) if t["metrics"] else None,
+                                        parameters_read=bool(t.get("parameters_read", False)),
+                                        epoch_steps=t.get("epoch_steps"))
                      for t in state["tasks"]}
             summaries = [EpochSummary(s["epoch"], Metrics(**s["train"]),
                                       Metrics(**s["test"]) if s["test"] else None)
@@ -764,6 +837,8 @@ class JobRunner:
             counters = [state[k] for k in ("epoch", "issued", "train_done", "tasks_done",
                                            "steps")]
             elapsed, finished = float(state["elapsed_s"]), bool(state["finished"])
+            # Saved before evaluations ran beside the next epoch: the epoch waited for them.
+            released = bool(state.get("epoch_released", False))
             for worker, _ in workers:  # a release would look these tasks up
                 if any(tasks[i].holder != (worker.worker_id, worker.incarnation)
                        for i in worker.leased):
@@ -776,6 +851,7 @@ class JobRunner:
             now = self._clock.monotonic()
             self.state, self.failure = job_state, failure
             self._epoch, self._issued, self._train_done, self._tasks_done, self._steps = counters
+            self._epoch_released = released
             # Elapsed time goes on from where it was (and stays put for a finished job).
             self._started_at = now - elapsed
             self._finished_at = now if finished else None

@@ -190,6 +190,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self._save_progress()
             return pb.CompleteTaskReply(duplicate=duplicate)
 
+    def EvaluationReadParameters(self, request, context):
+        with translate_errors(context, "EvaluationReadParameters"):
+            started = self._runner.parameters_read(request.worker_id, request.incarnation,
+                                                   request.task_id)
+            if started:
+                # A restarted coordinator resumes with the next epoch under way, so that the
+                # reports of its tasks are taken.
+                self._save_progress()
+            return pb.EvaluationReadParametersReply(next_epoch_started=started)
+
     def ReportJobError(self, request, context):
         with translate_errors(context, "ReportJobError"):
             failed = self._runner.report_job_error(

@@ -1,5 +1,6 @@
 """LeaseTask with wait_ms, over gRPC: a worker with nothing to run waits at the coordinator,
-gets its task the moment it is pending, and a stopping worker or coordinator ends the wait."""
+gets its task the moment it is pending, and a stopping worker or coordinator ends the wait.
+EvaluationReadParameters: an evaluation's read starts the next epoch for a waiting worker."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from ps_server.coordinator import servicer as coordinator_servicer
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.testing import wait_until
-from ps_worker.coordinator_client import CoordinatorClient
+from ps_worker.coordinator_client import CoordinatorClient, LeaseRevoked
 
 LONG_S = 60.0  # a wait that must end by an event, long before this
 BOUND_S = 30.0
@@ -120,3 +121,48 @@ def test_a_negative_wait_is_refused(coordinator):
                            timeout=BOUND_S)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "wait_ms" in raised.value.details()
+
+
+# ---- an evaluation that has read its parameters lets the next epoch start ---------------
+
+def complete(client, worker, incarnation, task, examples=4, correct=2, steps=1):
+    return client.complete(worker, incarnation, task.task_id, loss_sum=1.0, examples=examples,
+                           correct=correct, steps=steps, seconds=0.1)
+
+
+def test_a_read_starts_the_next_epoch_for_a_waiting_worker(coordinator, pool):
+    with CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
+        w0 = client.register_worker("w0").incarnation
+        w1 = client.register_worker("w1").incarnation
+        outcome, train = client.lease("w0", w0)
+        assert outcome == "task"
+        complete(client, "w0", w0, train)
+        outcome, evaluation = client.lease("w1", w1)
+        assert outcome == "task" and (evaluation.kind, evaluation.epoch) == ("evaluate", 1)
+        waiting = start_waiting(pool, coordinator, client, "w0", w0)
+        assert client.evaluation_read_parameters("w1", w1, evaluation.task_id) is True
+        assert waiting.result(timeout=BOUND_S) == ("wait", 0.0)
+        outcome, epoch2 = client.lease("w0", w0)
+        assert outcome == "task" and (epoch2.kind, epoch2.epoch) == ("train", 2)
+        complete(client, "w1", w1, evaluation, examples=10, correct=7, steps=0)
+        metrics = client.status()["job"]["metrics"]
+        assert [m["test_accuracy"] for m in metrics] == [pytest.approx(0.7), None]
+
+
+def test_a_read_from_a_worker_that_does_not_hold_the_evaluation_is_refused(coordinator):
+    with CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
+        w0 = client.register_worker("w0").incarnation
+        w1 = client.register_worker("w1").incarnation
+        outcome, train = client.lease("w0", w0)
+        with pytest.raises(RemoteError) as refused:
+            client.evaluation_read_parameters("w0", w0, train.task_id)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "training task" in refused.value.details()
+        complete(client, "w0", w0, train)
+        outcome, evaluation = client.lease("w1", w1)
+        with pytest.raises(LeaseRevoked, match="does not hold task"):
+            client.evaluation_read_parameters("w0", w0, evaluation.task_id)
+        with pytest.raises(LeaseRevoked, match="does not exist"):
+            client.evaluation_read_parameters("w1", w1, evaluation.task_id + 100)
+        assert client.lease("w0", w0)[0] == "wait"  # epoch 2 did not start
+        assert client.status()["job"]["epoch"] == 1

@@ -256,13 +256,19 @@ def test_a_few_epochs_through_the_trainer_learn_the_click_signal() -> None:
     assert trainer.evaluate(ps).auc > 0.7
 
 
-def test_a_dense_model_never_pulls_or_pushes_rows_and_has_no_auc() -> None:
+def digits_trainer() -> tuple[Trainer, FakePS]:
     data = load_dataset("digits")
     model = build_model("mlp", num_features=data.num_features, num_classes=data.num_classes,
                         hidden=(8,))
     trainer = Trainer(JobSpec(batch_size=64), data, model, NumpyBackend())
     ps = FakePS()
     ps.declare_many(trainer.specs)
+    return trainer, ps
+
+
+def test_a_dense_model_never_pulls_or_pushes_rows_and_has_no_auc() -> None:
+    trainer, ps = digits_trainer()
+    data = trainer.dataset
     assert all(spec.kind == "dense" for spec in trainer.specs)
     result = trainer.train(ps, task(0), should_stop=lambda: False)
     evaluation = trainer.evaluate(ps)
@@ -270,6 +276,29 @@ def test_a_dense_model_never_pulls_or_pushes_rows_and_has_no_auc() -> None:
     assert evaluation.auc is None
     assert not ps.of("pull_rows") and not ps.of("push_rows")
     assert all(names == tuple(trainer.names) for _, names, _ in ps.of("pull"))
+
+
+def test_a_dense_evaluation_says_it_has_its_parameters_and_measures_those() -> None:
+    trainer, ps = digits_trainer()
+    expected = trainer.evaluate(ps)
+    reads = []
+
+    def parameters_read():
+        # The next epoch starts now: its pushes must not reach what is being measured.
+        reads.append([call[0] for call in ps.calls])
+        for values in ps.values.values():
+            values += 1.0
+
+    result = trainer.evaluate(ps, parameters_read)
+    assert reads == [["pull", "pull"]]  # once, right after the evaluation's one pull
+    assert (result.loss_sum, result.correct) == (expected.loss_sum, expected.correct)
+
+
+def test_an_evaluation_with_tables_never_says_it_has_its_parameters() -> None:
+    trainer, ps = ctr_trainer()
+    reads = []
+    result = trainer.evaluate(ps, lambda: reads.append(1))
+    assert reads == [] and result.examples == trainer.dataset.num_test  # rows pulled to the end
 
 
 # ---- dense values: pulled for the first steps, then back with the pushes ----------------
