@@ -40,6 +40,8 @@ class PushHeader:
     row_ids: list[np.ndarray | None] | None = None
     # The step it belongs to, from a client that joined this server's steps (else None).
     step: int | None = None
+    # The client refuses non-finite gradients, whatever the server accepts.
+    refuse_non_finite: bool = False
 
 
 class PushReceiver:
@@ -65,8 +67,8 @@ class PushReceiver:
                 pass
             return self._duplicate(header)
         targets = self._store.plan_push(header.epoch, header.refs, header.metas, header.row_ids)
-        arrival = None if self._store.allow_non_finite else FiniteOnArrival(
-            header.metas, [held.spec.dtype for held in targets])
+        arrival = FiniteOnArrival(header.metas, [held.spec.dtype for held in targets]) \
+            if self._store.refuses_non_finite(header.refuse_non_finite) else None
         with self._staging.stage([meta.nbytes for meta in header.metas]) as staged:
             assembler = StreamAssembler(staged.destinations, what="push", on_write=arrival)
             assembler.write(first_data)
@@ -128,7 +130,8 @@ class PushReceiver:
             self.steps.check_member(header.client_id, header.incarnation)
         stored = [held.spec.dtype for held in targets]
         converting = ConvertingReader(grads, header.metas, stored, read_block)
-        self._store.check_gradients(targets, grads, converting.for_finiteness(), finite)
+        self._store.check_gradients(targets, grads, converting.for_finiteness(), finite,
+                                    client_refuses=header.refuse_non_finite)
         read_block = converting.for_update()  # converts a block at a time
         sync = header.step is not None and self.steps.kind_of(header.client_id) == SYNC
         if sync or header.row_ids is not None:
@@ -137,7 +140,8 @@ class PushReceiver:
             row_ids = header.row_ids or [None] * len(grads)
             grads = [whole_gradient(grad, meta, dtype) if sync or ids is not None else grad
                      for grad, meta, dtype, ids in zip(grads, header.metas, stored, row_ids)]
-        rows = self._store.sum_rows(targets, grads, header.row_ids)
+        rows = self._store.sum_rows(targets, grads, header.row_ids,
+                                    client_refuses=header.refuse_non_finite)
         if sync:
             if any(r is not None for r in rows or ()):
                 raise InvalidArgument(

@@ -417,7 +417,8 @@ def _push_header(h: pb.PushHeader) -> PushHeader:
         metas=[TensorMeta.from_proto(t, what=f"push tensor {i}")
                for i, t in enumerate(h.tensors)],
         row_ids=row_ids_of(h.shards),
-        step=h.step if h.HasField("step") else None)
+        step=h.step if h.HasField("step") else None,
+        refuse_non_finite=h.refuse_non_finite)
 
 
 def row_ids_of(refs) -> list[np.ndarray | None] | None:

@@ -441,24 +441,36 @@ class ShardStore:
                 held.dynamic.check_request(len(np.unique(ids)), held.describe())
         return targets
 
-    def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray],
-                        read_block=None, finite: frozenset[int] = frozenset()) -> None:
-        """Refuse non-finite gradients. `read_block(block)`, if given, returns the contents
-        of each block of a gradient to check (a large push, read from its file instead of
-        its mapping: ps_common.shm.BlockReader). `finite`: positions of gradients already
-        found finite, not read again."""
+    def refuses_non_finite(self, client_refuses: bool) -> bool:
+        """Whether a push is refused for a non-finite gradient: unless the server was started
+        with --allow-non-finite, and then if its client refuses them (its header says so)."""
+        return client_refuses or not self.allow_non_finite
+
+    def _accept_them(self) -> str:
+        """How a user gets non-finite gradients accepted: the end of a refusal's message."""
         if self.allow_non_finite:
+            return "the pushing client refuses them (PSClient(allow_non_finite=True) sends them)"
+        return "start the server with --allow-non-finite to accept them"
+
+    def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray],
+                        read_block=None, finite: frozenset[int] = frozenset(), *,
+                        client_refuses: bool = False) -> None:
+        """Refuse non-finite gradients (see `refuses_non_finite`). `read_block(block)`, if
+        given, returns the contents of each block of a gradient to check (a large push, read
+        from its file instead of its mapping: ps_common.shm.BlockReader). `finite`: positions
+        of gradients already found finite, not read again."""
+        if not self.refuses_non_finite(client_refuses):
             return
         for i, (held, grad) in enumerate(zip(targets, grads)):
             if i not in finite and grad.size and not all_finite(grad, read_block):
                 bad = count_non_finite(grad, read_block)
                 raise InvalidArgument(
                     f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "
-                    "nothing was applied (start the server with --allow-non-finite to accept them)"
-                )
+                    f"nothing was applied ({self._accept_them()})")
 
     def sum_rows(self, targets: list[HeldShard], grads: list[np.ndarray],
-                 row_ids: list[np.ndarray | None] | None) -> list | None:
+                 row_ids: list[np.ndarray | None] | None, *,
+                 client_refuses: bool = False) -> list | None:
         """For each row push: its distinct ids and the sum of each one's gradient rows, in the
         optimizer's compute dtype, refused (nothing applied) if a sum is not finite: finite
         gradients of a repeated id may overflow together. None for the other pushes."""
@@ -477,11 +489,11 @@ class ShardStore:
                 unique, inverse = dedup(ids)
                 with np.errstate(over="ignore"):  # an overflow is refused just below
                     summed = sum_duplicates(grad, inverse, len(unique))
-            if not self.allow_non_finite and summed.size and not all_finite(summed):
+            if self.refuses_non_finite(client_refuses) and summed.size \
+                    and not all_finite(summed):
                 raise InvalidArgument(
                     f"{held.describe()}: the gradients of a repeated id sum to a non-finite "
-                    "value (NaN or Inf); nothing was applied (start the server with "
-                    "--allow-non-finite to accept them)")
+                    f"value (NaN or Inf); nothing was applied ({self._accept_them()})")
             rows.append((unique, summed))
         return rows
 

@@ -6,10 +6,10 @@ it is stale, and retries UNAVAILABLE with jittered backoff. Pushes are exactly-o
 carries (client id, incarnation, sequence) and servers apply each at most once, so a retry
 after a lost response never double-applies.
 
-A push that spans several servers is validated whole here first (names, shapes, dtypes,
-finiteness) and then again by each server, which applies its part all-or-nothing; the
+A push is validated whole here first (names, shapes, dtypes; finiteness too when it spans
+several servers) and then again by each server, which applies its part all-or-nothing; the
 servers do not commit together (see `PSClient.push` for what the caller knows after an
-error).
+error), so only a push to one server leaves its finiteness check to that server.
 """
 
 from __future__ import annotations
@@ -134,6 +134,9 @@ class _Piece:
     grad: np.ndarray  # C-contiguous, in the wire dtype's raw element type
     wire_dtype: str
     row_ids: np.ndarray | None = None  # an embedding table's rows the gradient is for
+    # Not checked for non-finite values here: the push goes to one server, which checks it
+    # whole (PushHeader.refuse_non_finite) and applies all of it or nothing.
+    unchecked: VariableSpec | None = None
 
     def ref(self) -> ps_pb.ShardRef:
         return ps_pb.ShardRef(variable=self.shard.variable, index=self.shard.index,
@@ -218,8 +221,10 @@ class PSClient:
             coordinator's map moves it to another address, or `interrupt()`. Either way an
             outage is logged once per server (and its end once), not once per retry.
         max_in_flight_pushes: window of `push_async`; a further call blocks until one ends.
-        allow_non_finite: do not refuse NaN/Inf gradients client-side (servers started with
-            --allow-non-finite accept them).
+        allow_non_finite: push NaN/Inf gradients (servers started with --allow-non-finite
+            accept them). Otherwise they are refused: by the client before anything is sent
+            for a push that spans servers, by the server for a push to one server (its
+            header asks even a server started with --allow-non-finite to refuse them).
         shared_memory: with a server on this host that offers it, pull and push through
             shared memory (ps_worker.shared_memory); False: always gRPC (--no-shm).
         token: the cluster's shared token, sent on every call (ps_common.auth: daemons
@@ -1019,7 +1024,8 @@ class PSClient:
         error (`RemoteError.target`) may or may not have been (e.g. retries exhausted after
         a lost response). Calling push again sends a new push, applied again wherever the
         first one landed. Errors raised before anything is sent (unknown variable, wrong
-        shape or dtype, non-finite values) mean nothing was applied anywhere.
+        shape or dtype, non-finite values) mean nothing was applied anywhere; so does
+        INVALID_ARGUMENT for non-finite values from the one server a push goes to.
 
         Raises RemoteError: NOT_FOUND (unknown variable), INVALID_ARGUMENT (dtype, shape,
         non-finite values), ALREADY_EXISTS (another client pushes under this client's id and
@@ -1078,6 +1084,11 @@ class PSClient:
                     raise errors[0]
                 shard_map = self.shard_map
                 pieces = [self._relocate(shard_map, p) for p in failed]
+                # Left to one server's check, they may now go to several: checked here
+                # first. None of them was applied (a server refuses non-finite ones).
+                for piece in pieces:
+                    if piece.unchecked is not None:
+                        self._refuse_non_finite(piece.unchecked, piece.grad, piece.wire_dtype)
                 pulls = None  # they were for the old map: the caller pulls what is missing
             raise _local_error(grpc.StatusCode.ABORTED,
                                f"shard map kept changing during {MAX_MAP_REFRESHES} push attempts")
@@ -1270,36 +1281,54 @@ class PSClient:
 
     def _split(self, shard_map: ShardMap, grads: Mapping[str, np.ndarray],
                wire_dtype: str | None) -> list[_Piece]:
-        pieces = []
-        for name, grad in grads.items():
-            spec = shard_map.spec(name)
+        specs = {name: shard_map.spec(name) for name in grads}
+        for name, spec in specs.items():
             if spec.is_table:
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"{name!r} is an embedding table: push gradients of the rows "
                                    "a step used with push_rows")
-            encoded, wire = self._encode(spec, np.asarray(grad), spec.shape, wire_dtype)
+        # A push to one server is all-or-nothing there, so its check for non-finite values
+        # is left to that server instead of reading every gradient once more here. A push
+        # over several servers is checked whole first: they do not commit together.
+        one_server = len({shard.server_id for name in grads
+                          for shard in shard_map.shards_of(name)}) == 1
+        pieces = []
+        for name, grad in grads.items():
+            spec = specs[name]
+            encoded, wire = self._encode(spec, np.asarray(grad), spec.shape, wire_dtype,
+                                         check_finite=not one_server)
             for shard in shard_map.shards_of(name):
-                pieces.append(_Piece(shard, encoded[shard.row_start:shard.row_stop], wire))
+                pieces.append(_Piece(shard, encoded[shard.row_start:shard.row_stop], wire,
+                                     unchecked=spec if one_server else None))
         return pieces
 
     def _encode(self, spec: VariableSpec, grad: np.ndarray, shape: tuple[int, ...],
-                wire_dtype: str | None) -> tuple[np.ndarray, str]:
-        """A gradient checked (dtype, `shape`, finiteness) and encoded in its wire dtype."""
+                wire_dtype: str | None, *, check_finite: bool = True) -> tuple[np.ndarray, str]:
+        """A gradient checked (dtype, `shape`, and finiteness if `check_finite`) and encoded
+        in its wire dtype."""
         wire = self._check_gradient(spec, grad, shape, wire_dtype)
         with np.errstate(over="ignore"):
             encoded = to_wire(grad, wire)
-        # Checked after narrowing (a value that overflows the wire dtype becomes Inf), in
-        # the wire's raw form, which all_finite takes: nothing decoded; or as the server
-        # will store it, where a finite value of the wire dtype may overflow that.
+        if check_finite:
+            self._refuse_non_finite(spec, encoded, wire)
+        return encoded, wire
+
+    def _refuse_non_finite(self, spec: VariableSpec, encoded: np.ndarray, wire: str) -> None:
+        """Raise INVALID_ARGUMENT (nothing sent) for a gradient, `encoded` in `wire`, with a
+        NaN or Inf, unless this client accepts them. Checked after narrowing (a value that
+        overflows the wire dtype becomes Inf), in the wire's raw form, which all_finite
+        takes: nothing decoded; or as the server will store it, where a finite value of the
+        wire dtype may overflow that."""
+        if self._allow_non_finite or not encoded.size:
+            return
         checked = encoded
         if not finite_in_both(wire, spec.dtype):
             with np.errstate(over="ignore"):
                 checked = from_wire(encoded, wire).astype(spec.dtype)
-        if not self._allow_non_finite and checked.size and not all_finite(checked):
+        if not all_finite(checked):
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"variable {spec.name!r}: gradient has non-finite values (NaN or "
                                f"Inf) in wire dtype {wire}; nothing was applied")
-        return encoded, wire
 
     @staticmethod
     def _check_gradient(spec: VariableSpec, grad: np.ndarray, shape: tuple[int, ...],
@@ -1333,7 +1362,8 @@ class PSClient:
             if (shard.index, shard.row_start, shard.row_stop, shard.stride) == (
                     piece.shard.index, piece.shard.row_start, piece.shard.row_stop,
                     piece.shard.stride):
-                return _Piece(shard, piece.grad, piece.wire_dtype, piece.row_ids)
+                return _Piece(shard, piece.grad, piece.wire_dtype, piece.row_ids,
+                              piece.unchecked)
         raise _local_error(grpc.StatusCode.ABORTED,
                            f"variable {piece.shard.variable!r} was re-sharded during a push")
 
@@ -1376,7 +1406,7 @@ class PSClient:
                 acked_through=self._acked(server_id), epoch=shard_map.epoch,
                 shards=[p.ref() for p in pieces],
                 tensors=[TensorMeta(p.wire_dtype, p.grad.shape).to_proto() for p in pieces],
-                step=step,
+                step=step, refuse_non_finite=not self._allow_non_finite,
             )
 
         def attempt():

@@ -221,6 +221,7 @@ class PushHeader(_message.Message):
     SHARDS_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    REFUSE_NON_FINITE_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     """(client_id, incarnation, sequence) identifies the push: the server applies each at
     most once, so clients retry freely. Sequences count per (client, server) from 1.
@@ -237,6 +238,11 @@ class PushHeader(_message.Message):
     gradients were computed at. The push then waits as the mode says (ssp:K: until the
     client may start its next step; sync: until the step's averaged gradient is applied).
     """
+    refuse_non_finite: _builtins.bool
+    """The client refuses non-finite gradients (PSClient's default): the server refuses them
+    even when it was started with --allow-non-finite. A client leaves the check of a push
+    whose parts all go to one server to that server, which refuses the push whole.
+    """
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]: ...
     @_builtins.property
@@ -252,10 +258,11 @@ class PushHeader(_message.Message):
         shards: _abc.Iterable[Global___ShardRef] | None = ...,
         tensors: _abc.Iterable[_tensor_pb2.TensorMeta] | None = ...,
         step: _builtins.int | None = ...,
+        refuse_non_finite: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "acked_through", b"acked_through", "client_id", b"client_id", "epoch", b"epoch", "incarnation", b"incarnation", "sequence", b"sequence", "shards", b"shards", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "acked_through", b"acked_through", "client_id", b"client_id", "epoch", b"epoch", "incarnation", b"incarnation", "refuse_non_finite", b"refuse_non_finite", "sequence", b"sequence", "shards", b"shards", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
     _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015

@@ -80,6 +80,26 @@ def test_stale_push_is_applied_once_after_refresh(cluster):
         np.testing.assert_array_equal(b.pull("a"), -np.ones(6, np.float32))
 
 
+def test_stale_push_of_a_nan_is_refused_before_it_goes_out_again(cluster):
+    """A push to one server leaves its NaN check to that server; refused as stale first, it
+    is checked by the client before it goes to the shards' servers of the new map."""
+    with PSClient(cluster.coordinator_address) as a, PSClient(cluster.coordinator_address) as b:
+        a.declare("a", shape=(6,), optimizer=SGD1)
+        a.pull("a")
+        b.declare("b", shape=(6,), optimizer=SGD1)
+        pushes = calls(cluster, "Push")
+        grad = np.ones(6, np.float32)
+        grad[2] = np.nan
+        with pytest.raises(RemoteError) as refused:
+            a.push({"a": grad})
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "non-finite" in refused.value.details()
+        assert calls(cluster, "Push") - pushes == 1  # the stale one only
+        np.testing.assert_array_equal(b.pull("a"), np.zeros(6, np.float32))
+        a.push({"a": np.ones(6, np.float32)})
+        np.testing.assert_array_equal(b.pull("a"), -np.ones(6, np.float32))
+
+
 # ---- exactly-once and retries -----------------------------------------------------------------
 
 @pytest.fixture

@@ -591,6 +591,48 @@ def test_server_side_non_finite_check_refuses_its_whole_part(populated):
     assert_same_values(before, pull_all(ps))
 
 
+def test_a_push_to_one_server_is_checked_there_and_refused_whole(make_cluster):
+    """A push whose parts all go to one server leaves its NaN check to that server, which
+    refuses all of it; a push over two servers is checked by the client before it goes."""
+    cluster = make_cluster(servers=2, split_threshold_bytes=100)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("x", shape=(6,), optimizer=SGD1)
+        ps.declare("y", shape=(3, 4), optimizer=SGD1)
+        ps.declare("w", shape=(10, 4), optimizer=SGD1)
+        shard_map = ps.shard_map
+        assert len({s.server_id for s in shard_map.shards["w"]}) == 2
+        alone = [n for n in ("x", "y") if shard_map.shards[n][0].server_id
+                 == shard_map.shards["y"][0].server_id]
+        before = pull_all(ps)
+        grads = {n: np.ones(shard_map.spec(n).shape, np.float32) for n in alone}
+        grads["y"][1, 2] = np.nan
+        err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push, grads)
+        assert err.target == shard_map.shards["y"][0].server_id
+        assert "'y'" in err.details() and "nothing was applied" in err.details()
+        assert_same_values(before, pull_all(ps))
+        split = np.ones((10, 4), np.float32)
+        split[0, 0] = np.inf
+        err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push, {"w": split})
+        assert err.target == "client"
+        assert_same_values(before, pull_all(ps))
+
+
+def test_a_server_that_accepts_non_finite_refuses_them_for_a_client_that_does_not(
+        make_cluster):
+    cluster = make_cluster(servers=1, allow_non_finite=True)
+    g = np.ones((3, 4), np.float32)
+    g[2, 3] = np.nan
+    with PSClient(cluster.coordinator_address) as strict:
+        strict.declare("w", shape=(3, 4), optimizer=SGD1)
+        err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, strict.push, {"w": g})
+        assert "PSClient(allow_non_finite=True)" in err.details()
+        np.testing.assert_array_equal(strict.pull("w"), np.zeros((3, 4), np.float32))
+    with PSClient(cluster.coordinator_address, allow_non_finite=True) as lax:
+        lax.push({"w": g})
+        value = lax.pull("w")
+    assert np.isnan(value[2, 3]) and (value[np.isfinite(g)] == -1).all()
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("grad_dtype,wire,big", [
     ("float32", "float16", 1e5), ("float64", "float32", 1e39), ("float32", "bfloat16", 3.4e38),
