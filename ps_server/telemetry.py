@@ -133,7 +133,8 @@ class CoordinatorCollector:
         yield GaugeMetricFamily(_name("job_epochs"), "Epochs of the job", value=snap["epochs"])
         yield GaugeMetricFamily(
             _name("job_waiting_leases"), "Workers waiting at the coordinator for a task to run "
-            "(idle: the epoch's last tasks, or its evaluation, run elsewhere)",
+            "(idle: the epoch's last tasks run elsewhere, or its evaluation has not pulled its "
+            "parameters yet)",
             value=coordinator.runner.waiting_leases)
         yield CounterMetricFamily(_name("job_steps"), "Training steps of the job's tasks "
                                   "done", value=snap["steps"])

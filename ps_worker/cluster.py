@@ -251,7 +251,9 @@ class Progress:
         through = 0  # the job's steps up to the end of each epoch
         for m in job["metrics"]:
             through += m.get("steps", 0)
-            if m["test_accuracy"] is not None and m["epoch"] not in self.reported:
+            if m["test_accuracy"] is None:
+                break  # an epoch's line waits for the epochs before it (evaluations overlap)
+            if m["epoch"] not in self.reported:
                 self.reported.add(m["epoch"])
                 self._line(epoch_line(m["epoch"], self.epochs, loss=m["loss"],
                                       accuracy=m["accuracy"], test_accuracy=m["test_accuracy"],

@@ -19,7 +19,7 @@ earlier evaluation still runs waits for it. Leases and forgetting are heaps orde
 whose time has come. What grows with the job is one EpochSummary per epoch.
 
 Persistence: `export_state()` is the same bounded state as plain JSON values (the current
-epoch's tasks, the tracked workers, one summary per epoch) and `restore_state()` rebuilds it
+epoch's tasks and the evaluations still running, the tracked workers, one summary per epoch) and `restore_state()` rebuilds it
 in a new process, so a restarted coordinator resumes the job instead of restarting it.
 Monotonic times do not survive a process: elapsed seconds are stored, and restored workers
 start a fresh heartbeat lease (or forgetting delay) from the restoring clock's now.
@@ -178,7 +178,8 @@ class JobRunner:
     `on_epoch_evaluated(summary, steps)` is called once for each epoch whose evaluation is
     reported done (the first report; never for epochs restored by `restore_state`), with the
     epoch's EpochSummary and the job's training steps up to the end of that epoch (the next
-    epoch may be under way: see the module docstring). Like
+    epoch may be under way: see the module docstring), in epoch order: an evaluation done
+    before the one of the epoch before it is held back until that one is done. Like
     on_worker_gone, it is called after the lock is released on the reporting thread, may
     call back into the runner, and an exception it raises is logged and swallowed.
 
@@ -230,8 +231,11 @@ class JobRunner:
         self._sequence = itertools.count()
         # (worker_id, incarnation) gone since the lock was taken; run once it is released.
         self._gone: list[tuple[str, int]] = []
-        # (summary, steps) of epochs evaluated since the lock was taken; likewise.
+        # (summary, steps) of epochs evaluated since the lock was taken; likewise. Epochs
+        # up to `_reported_through` are in it or were; later ones wait in `_held_back`.
         self._evaluated: list[tuple[EpochSummary, int]] = []
+        self._held_back: dict[int, tuple[EpochSummary, int]] = {}
+        self._reported_through = 0
         # The current epoch's tasks and the evaluations still running (at most one of an
         # earlier epoch); `_issued` is the highest task id ever handed out.
         self._tasks: dict[int, Task] = {}
@@ -342,7 +346,10 @@ class JobRunner:
         else:
             self._summaries[index] = EpochSummary(summary.epoch, summary.train, metrics)
             steps = task.epoch_steps if task.epoch_steps is not None else self._steps
-            self._evaluated.append((self._summaries[index], steps))
+            self._held_back[task.epoch] = (self._summaries[index], steps)
+            while self._reported_through + 1 in self._held_back:
+                self._reported_through += 1
+                self._evaluated.append(self._held_back.pop(self._reported_through))
 
     def _advance(self, task: Task) -> None:
         """After an epoch's last training task: its evaluation task. After an evaluation: its
@@ -373,10 +380,14 @@ class JobRunner:
             self._finish(JobState.DONE)
 
     def _release(self, task: Task) -> None:
-        if task.kind == "evaluate" and task.parameters_read and task.epoch < self._epoch:
-            log.warning("the evaluation of epoch %d lost its worker after the next epoch had "
-                        "started; it runs again, on the parameters of that moment rather "
-                        "than those epoch %d ended with", task.epoch, task.epoch)
+        if task.kind == "evaluate" and task.parameters_read:
+            if task.epoch < self._epoch:
+                log.warning("the evaluation of epoch %d lost its worker after the next epoch "
+                            "had started; it runs again, on the parameters of that moment "
+                            "rather than those epoch %d ended with", task.epoch, task.epoch)
+            else:  # the next epoch has not started: it waits for the next holder's read
+                task.parameters_read = False
+                self._epoch_released = False
         task.state, task.holder = TaskState.PENDING, None
         heapq.heappush(self._pending, (task.kind != "evaluate", task.task_id))
         self._wake_leases()
@@ -635,6 +646,14 @@ class JobRunner:
                 raise FencedIncarnation(
                     f"worker {worker_id!r} incarnation {incarnation} does not hold task "
                     f"{task_id} (its lease was revoked); register again")
+            if task.holder != (worker_id, incarnation):
+                # Its holder from before the coordinator restarted: it gets the task back
+                # unless another worker holds it now, whose own read then counts.
+                worker = self._current(worker_id, incarnation)
+                if task.state is not TaskState.PENDING or worker is None:
+                    return False
+                task.state, task.holder = TaskState.LEASED, (worker_id, incarnation)
+                worker.leased.add(task_id)
             task.parameters_read = True
             if task.epoch != self._epoch or self._epoch_released \
                     or self.state is not JobState.RUNNING:
@@ -852,6 +871,10 @@ class JobRunner:
             self.state, self.failure = job_state, failure
             self._epoch, self._issued, self._train_done, self._tasks_done, self._steps = counters
             self._epoch_released = released
+            self._held_back = {}
+            # Epochs evaluated before the restart are not reported again.
+            self._reported_through = next((s.epoch - 1 for s in summaries if s.test is None),
+                                          len(summaries))
             # Elapsed time goes on from where it was (and stays put for a finished job).
             self._started_at = now - elapsed
             self._finished_at = now if finished else None
@@ -860,6 +883,17 @@ class JobRunner:
             # predecessor (the state saved lags a little) and will never report it again,
             # so it is handed out again; a late report from that holder still counts.
             for task in tasks.values():
+                if task.kind == "evaluate" and task.state is not TaskState.DONE \
+                        and task.parameters_read:
+                    if task.epoch < self._epoch:
+                        log.warning(
+                            "the evaluation of epoch %d is handed out again after the "
+                            "restart; unless its worker reports it first, it measures the "
+                            "parameters of that moment rather than those epoch %d ended "
+                            "with", task.epoch, task.epoch)
+                    else:  # the next epoch has not started: it waits for a read again
+                        task.parameters_read = False
+                        self._epoch_released = False
                 if task.state is TaskState.LEASED:
                     task.state, task.resumed_holder, task.holder = (
                         TaskState.PENDING, task.holder, None)

@@ -136,11 +136,69 @@ def test_an_epoch_that_ends_while_an_earlier_evaluation_runs_waits_for_it():
     assert job.runner.tracked_tasks() == 4  # the two evaluations and epoch 2's tasks
     job.complete("w0", second)  # done before the older one: filed under its own epoch
     assert job.summary(2).test == EVAL and job.summary(1).test is None
+    assert job.evaluated == []  # reported in epoch order: held back until epoch 1's
     assert job.idle("w0")
     job.complete("w1", first)
     assert job.runner.snapshot()["epoch"] == 3
-    assert job.evaluated == [(2, 4 * TRAIN.steps), (1, 2 * TRAIN.steps)]
+    assert job.evaluated == [(1, 2 * TRAIN.steps), (2, 4 * TRAIN.steps)]
     assert job.lease("w0").epoch == 3
+
+
+def kill(job: Job, dying: str) -> None:
+    """Every worker but `dying` keeps sending heartbeats while `dying`'s lease runs out."""
+    for _ in range(2):
+        job.clock.advance(TIMEOUT_S / 2 + 1)
+        for worker, incarnation in job.w.items():
+            if worker != dying:
+                assert job.runner.heartbeat(worker, incarnation) == "continue"
+
+
+def test_a_read_that_waited_for_an_earlier_evaluation_is_void_once_its_holder_dies():
+    job = Job(epochs=3)
+    job.w["w2"] = job.runner.register_worker("w2")
+    job.train_epoch("w0", 1)
+    first = job.lease("w1")
+    assert job.read("w1", first) is True
+    job.train_epoch("w0", 2)
+    second = job.lease("w2")
+    assert job.read("w2", second) is False  # epoch 3 waits for epoch 1's evaluation
+    kill(job, "w2")  # before epoch 3 started: the next holder must read again
+    job.complete("w1", first)
+    assert job.runner.snapshot()["epoch"] == 2
+    again = job.lease("w0")
+    assert again.task_id == second.task_id and job.idle("w1")
+    assert job.read("w0", again) is True
+    assert job.runner.snapshot()["epoch"] == 3
+
+
+def test_after_a_restart_an_evaluation_that_had_read_must_read_again_or_report():
+    job = Job(epochs=3)
+    job.train_epoch("w0", 1)
+    first = job.lease("w1")
+    assert job.read("w1", first) is True
+    job.train_epoch("w0", 2)
+    second = job.lease("w0")
+    assert job.read("w0", second) is False  # waits for epoch 1's evaluation
+    new = restored(job, job.runner.export_state())
+    new.complete("w1", first)  # reported by its holder from before the restart
+    assert new.runner.snapshot()["epoch"] == 2  # epoch 2's evaluation has to read again
+    assert new.read("w0", second) is True  # its holder from before: it gets the task back
+    assert new.runner.snapshot()["epoch"] == 3
+    assert new.lease("w1").kind == "train"  # the evaluation is not handed out again
+    new.complete("w0", second)
+    assert new.summary(2).test == EVAL
+    assert new.evaluated == [(1, 2 * TRAIN.steps), (2, 4 * TRAIN.steps)]
+
+
+def test_a_holder_from_before_a_restart_does_not_take_back_a_task_leased_since():
+    job = Job()
+    job.train_epoch("w0", 1)
+    evaluation = job.lease("w1")
+    new = restored(job, job.runner.export_state())
+    assert new.lease("w0").task_id == evaluation.task_id
+    assert new.read("w1", evaluation) is False  # w0 holds it now: its read counts
+    assert new.runner.snapshot()["epoch"] == 1
+    assert new.read("w0", evaluation) is True
 
 
 def test_the_job_is_done_only_when_every_evaluation_is_done():

@@ -42,6 +42,23 @@ def steps_of(lines: list[str]) -> list[int]:
     return [int(re.search(r"  steps (\d+)", line).group(1)) for line in lines]
 
 
+def test_an_epoch_evaluated_before_the_one_before_it_waits_for_that_ones_line():
+    out, clock = io.StringIO(), Clock()
+    progress = Progress(out, 5, clock=clock, interval_s=10.0)
+    status = a_status(2, steps=110)
+    first = status["job"]["metrics"][0]
+    evaluated = {key: first[key] for key in ("test_loss", "test_accuracy")}
+    first.update(test_loss=None, test_accuracy=None)  # its evaluation still runs
+    progress.update(status)
+    assert out.getvalue() == ""
+    first.update(evaluated)
+    clock.now += 1.0
+    progress.update(status)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["1/5", "2/5"]
+    assert steps_of(lines) == [48, 96]
+
+
 def test_piped_epoch_lines_carry_each_epochs_steps_however_late_the_status_came():
     out, clock = io.StringIO(), Clock()
     progress = Progress(out, 5, clock=clock, interval_s=10.0)
