@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=parse_bytes, default=DEFAULT_CHUNK_BYTES,
                    help="size of streamed tensor chunks (default 2MiB)")
     p.add_argument("--allow-non-finite", action="store_true",
-                   help="accept NaN/Inf in gradients instead of refusing the push")
+                   help="accept NaN/Inf in gradients instead of refusing the push, from "
+                   "clients that accept them too (PSClient(allow_non_finite=True))")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--max-streams", type=int, default=128, metavar="N",
                    help="Pull and Push streams served at once; more are refused with "

@@ -440,7 +440,7 @@ def row_ids_of(refs) -> list[np.ndarray | None] | None:
 def _push_reply(outcome: PushOutcome) -> pb.PushReply:
     return pb.PushReply(duplicate=outcome.duplicate, next_step=outcome.next_step,
                         waited_s=outcome.waited_s, staleness=outcome.staleness,
-                        stale_dropped=outcome.stale_dropped)
+                        stale_dropped=outcome.stale_dropped, honours_refuse_non_finite=True)
 
 
 def _data_only(chunk: Chunk):

@@ -446,10 +446,13 @@ class ShardStore:
         with --allow-non-finite, and then if its client refuses them (its header says so)."""
         return client_refuses or not self.allow_non_finite
 
-    def _accept_them(self) -> str:
+    def _accept_them(self, client_refuses: bool) -> str:
         """How a user gets non-finite gradients accepted: the end of a refusal's message."""
         if self.allow_non_finite:
             return "the pushing client refuses them (PSClient(allow_non_finite=True) sends them)"
+        if client_refuses:
+            return ("to accept them, start the server with --allow-non-finite and push with "
+                    "PSClient(allow_non_finite=True)")
         return "start the server with --allow-non-finite to accept them"
 
     def check_gradients(self, targets: list[HeldShard], grads: list[np.ndarray],
@@ -466,7 +469,7 @@ class ShardStore:
                 bad = count_non_finite(grad, read_block)
                 raise InvalidArgument(
                     f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "
-                    f"nothing was applied ({self._accept_them()})")
+                    f"nothing was applied ({self._accept_them(client_refuses)})")
 
     def sum_rows(self, targets: list[HeldShard], grads: list[np.ndarray],
                  row_ids: list[np.ndarray | None] | None, *,
@@ -493,7 +496,8 @@ class ShardStore:
                     and not all_finite(summed):
                 raise InvalidArgument(
                     f"{held.describe()}: the gradients of a repeated id sum to a non-finite "
-                    f"value (NaN or Inf); nothing was applied ({self._accept_them()})")
+                    f"value (NaN or Inf); nothing was applied "
+                    f"({self._accept_them(client_refuses)})")
             rows.append((unique, summed))
         return rows
 

@@ -223,8 +223,9 @@ class PSClient:
         max_in_flight_pushes: window of `push_async`; a further call blocks until one ends.
         allow_non_finite: push NaN/Inf gradients (servers started with --allow-non-finite
             accept them). Otherwise they are refused: by the client before anything is sent
-            for a push that spans servers, by the server for a push to one server (its
-            header asks even a server started with --allow-non-finite to refuse them).
+            for a push that spans servers, by the server for a push to one server whose
+            replies said it honours the ask (the push's header asks even a server started
+            with --allow-non-finite to refuse them).
         shared_memory: with a server on this host that offers it, pull and push through
             shared memory (ps_worker.shared_memory); False: always gRPC (--no-shm).
         token: the cluster's shared token, sent on every call (ps_common.auth: daemons
@@ -286,6 +287,9 @@ class PSClient:
         self._next_seq: dict[str, int] = {}
         self._finished: dict[str, set[int]] = {}
         self._acked_through: dict[str, int] = {}
+        # Addresses of servers whose push replies said they refuse non-finite gradients when
+        # a header asks (an older server would ignore the ask): see _split.
+        self._servers_checking: set[str] = set()
 
         self._rpc_pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ps-client-rpc")
         self._prefetch_pool = futures.ThreadPoolExecutor(
@@ -1288,10 +1292,12 @@ class PSClient:
                                    f"{name!r} is an embedding table: push gradients of the rows "
                                    "a step used with push_rows")
         # A push to one server is all-or-nothing there, so its check for non-finite values
-        # is left to that server instead of reading every gradient once more here. A push
-        # over several servers is checked whole first: they do not commit together.
-        one_server = len({shard.server_id for name in grads
-                          for shard in shard_map.shards_of(name)}) == 1
+        # is left to that server instead of reading every gradient once more here, once the
+        # server has said it honours the header's ask. A push over several servers is
+        # checked whole first: they do not commit together.
+        servers = {shard.server_id for name in grads for shard in shard_map.shards_of(name)}
+        one_server = len(servers) == 1 and \
+            shard_map.servers.get(next(iter(servers))) in self._servers_checking
         pieces = []
         for name, grad in grads.items():
             spec = specs[name]
@@ -1433,6 +1439,8 @@ class PSClient:
         if reply is None:
             # Safe to retry: the server deduplicates (client_id, incarnation, sequence).
             reply = self._call_server(attempt, shard_map, server_id, self._retry)
+        if reply.honours_refuse_non_finite:
+            self._servers_checking.add(shard_map.servers[server_id])
         if reply.duplicate and first_send and attempts == 1:
             # Nothing of ours can have been applied before our first send: someone else
             # pushes under this identity, and this push was NOT applied.

@@ -279,6 +279,7 @@ class PushReply(_message.Message):
     WAITED_S_FIELD_NUMBER: _builtins.int
     STALENESS_FIELD_NUMBER: _builtins.int
     STALE_DROPPED_FIELD_NUMBER: _builtins.int
+    HONOURS_REFUSE_NON_FINITE_FIELD_NUMBER: _builtins.int
     duplicate: _builtins.bool
     """True when this (client, incarnation, sequence) had already been applied."""
     next_step: _builtins.int
@@ -290,6 +291,10 @@ class PushReply(_message.Message):
     waited_s: _builtins.float
     staleness: _builtins.int
     stale_dropped: _builtins.bool
+    honours_refuse_non_finite: _builtins.bool
+    """This server refuses non-finite gradients whenever a push's header asks
+    (PushHeader.refuse_non_finite): a client may leave that check of a push to it alone.
+    """
     def __init__(
         self,
         *,
@@ -298,10 +303,11 @@ class PushReply(_message.Message):
         waited_s: _builtins.float = ...,
         staleness: _builtins.int = ...,
         stale_dropped: _builtins.bool = ...,
+        honours_refuse_non_finite: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "next_step", b"next_step", "stale_dropped", b"stale_dropped", "staleness", b"staleness", "waited_s", b"waited_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "honours_refuse_non_finite", b"honours_refuse_non_finite", "next_step", b"next_step", "stale_dropped", b"stale_dropped", "staleness", b"staleness", "waited_s", b"waited_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,7 +85,7 @@ def test_stale_push_of_a_nan_is_refused_before_it_goes_out_again(cluster):
     is checked by the client before it goes to the shards' servers of the new map."""
     with PSClient(cluster.coordinator_address) as a, PSClient(cluster.coordinator_address) as b:
         a.declare("a", shape=(6,), optimizer=SGD1)
-        a.pull("a")
+        a.push({"a": np.zeros(6, np.float32)})  # its server says it honours the client's ask
         b.declare("b", shape=(6,), optimizer=SGD1)
         pushes = calls(cluster, "Push")
         grad = np.ones(6, np.float32)

@@ -127,15 +127,25 @@ def overflowing_float16() -> np.ndarray:
     return grad
 
 
-def test_a_bfloat16_push_overflowing_a_float16_variable_is_refused_by_the_client(
+def test_a_bfloat16_push_overflowing_a_float16_variable_is_refused_by_client_and_server(
         make_cluster):
+    """Before its first push a client does not know that the server honours its ask to
+    refuse non-finite values, and checks the push itself; after it, it leaves that to the
+    server. Either refuses the overflow."""
     cluster = make_cluster(servers=1)
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("h", shape=(4096,), dtype="float16", init="zeros", optimizer=SGD1)
         with pytest.raises(RemoteError) as refused:
             ps.push({"h": overflowing_float16()}, wire_dtype="bfloat16")
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "non-finite" in str(refused.value) and refused.value.target == "client"
+        np.testing.assert_array_equal(ps.pull("h"), np.zeros(4096, np.float16))
+        ps.push({"h": np.zeros(4096, np.float32)}, wire_dtype="bfloat16")
+        with pytest.raises(RemoteError) as refused:
+            ps.push({"h": overflowing_float16()}, wire_dtype="bfloat16")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "non-finite" in str(refused.value)
+        assert refused.value.target == ps.shard_map.shards["h"][0].server_id
         np.testing.assert_array_equal(ps.pull("h"), np.zeros(4096, np.float16))
 
 

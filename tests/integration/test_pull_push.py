@@ -14,7 +14,9 @@ from ps_common.tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
 from ps_proto.v1 import tensor_pb2
+from ps_server import servicer
 from ps_server.initializers import initialize_rows
+from ps_server.store import ShardStore
 from ps_worker import PSClient, RemoteError
 
 SGD1 = {"name": "sgd", "lr": 1.0}
@@ -592,8 +594,9 @@ def test_server_side_non_finite_check_refuses_its_whole_part(populated):
 
 
 def test_a_push_to_one_server_is_checked_there_and_refused_whole(make_cluster):
-    """A push whose parts all go to one server leaves its NaN check to that server, which
-    refuses all of it; a push over two servers is checked by the client before it goes."""
+    """A push whose parts all go to one server leaves its NaN check to that server (once
+    the server has said it honours the ask), which refuses all of it; a push over two
+    servers is checked by the client before it goes."""
     cluster = make_cluster(servers=2, split_threshold_bytes=100)
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("x", shape=(6,), optimizer=SGD1)
@@ -603,8 +606,9 @@ def test_a_push_to_one_server_is_checked_there_and_refused_whole(make_cluster):
         assert len({s.server_id for s in shard_map.shards["w"]}) == 2
         alone = [n for n in ("x", "y") if shard_map.shards[n][0].server_id
                  == shard_map.shards["y"][0].server_id]
-        before = pull_all(ps)
         grads = {n: np.ones(shard_map.spec(n).shape, np.float32) for n in alone}
+        ps.push(grads)  # the server's reply says it refuses what the client asks it to
+        before = pull_all(ps)
         grads["y"][1, 2] = np.nan
         err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push, grads)
         assert err.target == shard_map.shards["y"][0].server_id
@@ -624,13 +628,35 @@ def test_a_server_that_accepts_non_finite_refuses_them_for_a_client_that_does_no
     g[2, 3] = np.nan
     with PSClient(cluster.coordinator_address) as strict:
         strict.declare("w", shape=(3, 4), optimizer=SGD1)
+        strict.push({"w": np.zeros((3, 4), np.float32)})
         err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, strict.push, {"w": g})
-        assert "PSClient(allow_non_finite=True)" in err.details()
+        assert err.target != "client" and "PSClient(allow_non_finite=True)" in err.details()
         np.testing.assert_array_equal(strict.pull("w"), np.zeros((3, 4), np.float32))
     with PSClient(cluster.coordinator_address, allow_non_finite=True) as lax:
         lax.push({"w": g})
         value = lax.pull("w")
     assert np.isnan(value[2, 3]) and (value[np.isfinite(g)] == -1).all()
+
+
+def test_a_server_that_does_not_say_it_honours_the_ask_gets_pushes_checked_by_the_client(
+        make_cluster, monkeypatch):
+    """A server of a version before PushHeader.refuse_non_finite ignores it: started with
+    --allow-non-finite, it would apply a NaN that the client refuses. Its replies do not
+    say that it honours the ask, so the client goes on checking pushes to it itself."""
+    monkeypatch.setattr(servicer, "_push_reply", lambda outcome: ps_pb.PushReply(
+        duplicate=outcome.duplicate, next_step=outcome.next_step))
+    monkeypatch.setattr(ShardStore, "refuses_non_finite",
+                        lambda self, client_refuses: not self.allow_non_finite)
+    cluster = make_cluster(servers=1, allow_non_finite=True)
+    g = np.ones((3, 4), np.float32)
+    g[0, 0] = np.inf
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(3, 4), optimizer=SGD1)
+        for _ in range(2):
+            ps.push({"w": np.ones((3, 4), np.float32)})
+            err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push, {"w": g})
+            assert err.target == "client"
+        np.testing.assert_array_equal(ps.pull("w"), -2 * np.ones((3, 4), np.float32))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")

@@ -48,7 +48,7 @@ def test_a_staged_push_is_applied_exactly(staged_cluster, tmp_path):
 
 
 def test_a_staged_push_with_a_non_finite_value_changes_nothing(staged_cluster):
-    """The client refuses non-finite gradients itself; a raw stream reaches the server's check."""
+    """A raw stream with a NaN reaches the server's check of a staged push."""
     with PSClient(staged_cluster.coordinator_address, chunk_bytes=64) as ps:
         ps.declare("w", shape=SHAPE, init=ZEROS, optimizer=SGD1)
         grad = np.ones(SHAPE, np.float32)
