@@ -242,24 +242,32 @@ def iter_chunks(sizes: Sequence[int], readers: Sequence[ByteReader], chunk_bytes
 
     Yields at least one (possibly empty) piece so the caller always has a message to send.
     """
+    for spans in chunk_spans(sizes, chunk_bytes):
+        parts = [readers[tensor](offset, length) for tensor, offset, length in spans]
+        yield b"" if not parts else parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def chunk_spans(sizes: Sequence[int], chunk_bytes: int) -> Iterator[list[tuple[int, int, int]]]:
+    """What each piece of `iter_chunks` holds: (tensor, offset in it, length) spans, in
+    order. Yields at least one (possibly empty) list."""
     total = sum(sizes)
     if total == 0:
-        yield b""
+        yield []
         return
     tensor, offset_in_tensor = 0, 0
     produced = 0
     while produced < total:
         want = min(chunk_bytes, total - produced)
-        parts = []
+        spans = []
         while want:
             while sizes[tensor] == offset_in_tensor:
                 tensor, offset_in_tensor = tensor + 1, 0
             take = min(want, sizes[tensor] - offset_in_tensor)
-            parts.append(readers[tensor](offset_in_tensor, take))
+            spans.append((tensor, offset_in_tensor, take))
             offset_in_tensor += take
             want -= take
             produced += take
-        yield parts[0] if len(parts) == 1 else b"".join(parts)
+        yield spans
 
 
 def _byte_view(buffer):

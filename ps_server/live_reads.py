@@ -70,7 +70,9 @@ class LiveRead:
         with held.lock:
             held.live_reads.append(self)
 
-    def __call__(self, offset: int, length: int):
+    def __call__(self, offset: int, length: int, prefix: bytes | None = None):
+        """The bytes at `offset`; with `prefix`, a message: `prefix` and then those bytes,
+        built in one copy of them."""
         held = self._held
         with held.lock:
             if self._overtaken:
@@ -79,8 +81,10 @@ class LiveRead:
                     "copies are at their bound: pull again", retry_after_s=RETRY_AFTER_S)
             if self._copy is None:
                 # Copied out under the lock: the message must not change once it is built.
-                return bytes(self._live(offset, length))
-        return self._copy_reader(offset, length)  # the copy never changes: a view is enough
+                live = self._live(offset, length)
+                return bytes(live) if prefix is None else b"".join([prefix, live])
+        piece = self._copy_reader(offset, length)  # the copy never changes: a view is enough
+        return piece if prefix is None else b"".join([prefix, piece])
 
     def close(self) -> None:
         if self._closed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -14,8 +15,8 @@ from ps_common.consistency import parse_mode
 from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_common.status import translate_errors
 from ps_common.tensors import (
-    ByteReader, Chunk, TensorMeta, array_reader, decode_chunk, dtype_from_proto,
-    encode_chunk, iter_chunks, wire_bytes,
+    ByteReader, Chunk, TensorMeta, array_reader, chunk_prefix, chunk_spans, decode_chunk,
+    dtype_from_proto, encode_chunk, wire_bytes,
 )
 from ps_common.wire import shard_to_proto, shardmap_from_proto
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -86,8 +87,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             header = pb.PullHeader(tensors=[meta.to_proto() for _, meta, _ in plan])
             source = _PullSource(plan, self._chunk_bytes, self._pull_copies)
             try:
-                for i, piece in enumerate(source.pieces):
-                    message = encode_chunk(header.SerializeToString() if i == 0 else None, piece)
+                for message in source.messages(header.SerializeToString()):
                     source.release_finished()  # the message holds its own copy of the bytes
                     stream.arm()  # until gRPC has handed the message on to the client
                     yield message
@@ -363,27 +363,43 @@ class _PullSource:
         self._copies = copies
         self._reads: list[LiveRead] = []
         self._finished: list[LiveRead] = []
-        readers: list[ByteReader] = []
+        self._readers: list[ByteReader] = []
+        self._live: set[int] = set()  # positions of the shards read through a LiveRead
         start = 0
         for held, meta, rows in plan:
             last = start + meta.nbytes - 1
             if rows is not None:  # a table's rows: a copy already
-                readers.append(array_reader(rows, meta.dtype))
+                self._readers.append(array_reader(rows, meta.dtype))
             elif meta.nbytes == 0 or start // chunk_bytes == last // chunk_bytes:
-                readers.append(array_reader(held.values, meta.dtype, held.lock))
+                self._readers.append(array_reader(held.values, meta.dtype, held.lock))
             else:
-                readers.append(self._live_reader(held, meta))
+                self._live.add(len(self._readers))
+                self._readers.append(self._live_reader(held, meta))
             start += meta.nbytes
-        self.pieces = iter_chunks([meta.nbytes for _, meta, _ in plan], readers, chunk_bytes)
+        self._sizes = [meta.nbytes for _, meta, _ in plan]
+        self._chunk_bytes = chunk_bytes
 
-    def _live_reader(self, held: HeldShard, meta: TensorMeta) -> ByteReader:
+    def messages(self, header: bytes) -> Iterator[bytes]:
+        """The pull's chunk messages, the first with `header`. A chunk that is one piece of
+        a large shard is built under the shard's lock in one copy of its bytes; the others
+        from the pieces their readers copied."""
+        for i, spans in enumerate(chunk_spans(self._sizes, self._chunk_bytes)):
+            prefix = chunk_prefix(header if i == 0 else None, sum(n for _, _, n in spans))
+            if len(spans) == 1 and spans[0][0] in self._live:
+                tensor, offset, length = spans[0]
+                yield self._readers[tensor](offset, length, prefix)
+            else:
+                yield b"".join([prefix, *(self._readers[tensor](offset, length)
+                                          for tensor, offset, length in spans)])
+
+    def _live_reader(self, held: HeldShard, meta: TensorMeta):
         current: list[LiveRead] = []  # opened when the stream reaches the shard
 
-        def read(offset: int, length: int):
+        def read(offset: int, length: int, prefix: bytes | None = None):
             if not current:
                 current.append(LiveRead(held, meta.dtype, self._copies))
                 self._reads.append(current[0])
-            piece = current[0](offset, length)
+            piece = current[0](offset, length, prefix)
             if offset + length == meta.nbytes:
                 self._finished.append(current[0])
             return piece

@@ -67,6 +67,22 @@ def test_a_push_between_pieces_leaves_the_read_on_the_values_it_started_from():
     assert pulls.budget.out == 0 and pulls.pool.cached_bytes == NBYTES  # back in the pool
 
 
+def test_a_piece_read_as_a_message_follows_its_prefix_before_and_after_a_push():
+    """With a prefix (the chunk message's fields before its data), a piece comes back as the
+    whole message, from the live values or, once a push has overtaken the read, its copy."""
+    store, held = held_shard()
+    held.values.reshape(-1)[:] = np.arange(ROWS * COLS, dtype=np.float32)
+    expected = held.values.reshape(-1).copy().view(np.uint8)
+    read = LiveRead(held, "float32", copies())
+    live = read(0, PIECE, b"prefix")
+    push_ones(store)
+    copied = read(PIECE, PIECE, b"another")
+    read.close()
+    assert isinstance(live, bytes) and isinstance(copied, bytes)
+    assert live == b"prefix" + expected[:PIECE].tobytes()
+    assert copied == b"another" + expected[PIECE:2 * PIECE].tobytes()
+
+
 def test_reads_overtaken_together_share_one_copy():
     store, held = held_shard()
     pulls = copies()
