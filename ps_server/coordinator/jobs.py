@@ -9,18 +9,20 @@ Bounded by construction: no call scans every task or every worker the job ever h
 pending tasks are a heap, epochs keep counters and running metric sums, and only the
 current epoch's tasks and the evaluations still running are held (an epoch's tasks are
 dropped when its evaluation is done, and only tasks that are done are dropped: an id that
-was issued and is not held is known to be done).
+was issued and is not held is known to be done). Leases and forgetting are heaps ordered by
+time, so reaping touches only members whose time has come. What grows with the job is one
+EpochSummary per epoch.
 
 An epoch's evaluation measures exactly the parameters the epoch ended with. The next epoch
 starts as soon as the evaluation has read them (`parameters_read`, from a worker evaluating a
 model without tables), or else when it is done, so the other workers train on while one
 evaluates. At most one evaluation runs behind the current epoch: an epoch that ends while an
-earlier evaluation still runs waits for it. Leases and forgetting are heaps ordered by time, so reaping touches only members
-whose time has come. What grows with the job is one EpochSummary per epoch.
+earlier evaluation still runs waits for it.
 
 Persistence: `export_state()` is the same bounded state as plain JSON values (the current
-epoch's tasks and the evaluations still running, the tracked workers, one summary per epoch) and `restore_state()` rebuilds it
-in a new process, so a restarted coordinator resumes the job instead of restarting it.
+epoch's tasks and the evaluations still running, the tracked workers, one summary per
+epoch) and `restore_state()` rebuilds it in a new process, so a restarted coordinator
+resumes the job instead of restarting it.
 Monotonic times do not survive a process: elapsed seconds are stored, and restored workers
 start a fresh heartbeat lease (or forgetting delay) from the restoring clock's now.
 """
@@ -347,9 +349,14 @@ class JobRunner:
             self._summaries[index] = EpochSummary(summary.epoch, summary.train, metrics)
             steps = task.epoch_steps if task.epoch_steps is not None else self._steps
             self._held_back[task.epoch] = (self._summaries[index], steps)
-            while self._reported_through + 1 in self._held_back:
-                self._reported_through += 1
-                self._evaluated.append(self._held_back.pop(self._reported_through))
+            while True:
+                following = self._reported_through + 1
+                if following in self._held_back:
+                    self._evaluated.append(self._held_back.pop(following))
+                elif not (following <= len(self._summaries)
+                          and self._summaries[following - 1].test is not None):
+                    break  # (an epoch evaluated before a restart is not reported again)
+                self._reported_through = following
 
     def _advance(self, task: Task) -> None:
         """After an epoch's last training task: its evaluation task. After an evaluation: its

@@ -259,3 +259,20 @@ def test_a_state_saved_before_evaluations_ran_beside_epochs_still_restores():
     new.complete("w1", evaluation)  # the first report wins
     assert new.summary(1).test == EVAL and new.evaluated == [(1, 2 * TRAIN.steps)]
     assert new.lease("w0").epoch == 2
+
+
+def test_an_epoch_evaluated_and_held_back_before_a_restart_does_not_hold_back_later_ones():
+    job = Job(epochs=4)
+    job.train_epoch("w0", 1)
+    first = job.lease("w1")
+    assert job.read("w1", first) is True
+    job.train_epoch("w0", 2)
+    second = job.lease("w0")
+    job.complete("w0", second)  # held back behind epoch 1's, then the coordinator restarts
+    assert job.evaluated == []
+    new = restored(job, job.runner.export_state())
+    new.complete("w1", first)
+    new.train_epoch("w0", 3)
+    new.complete("w0", new.lease("w0"))
+    # Epoch 2's line was due before the restart: it is not reported again, nor in the way.
+    assert new.evaluated == [(1, 2 * TRAIN.steps), (3, 6 * TRAIN.steps)]
