@@ -277,7 +277,10 @@ class Progress:
             self._rate = (job["steps"] - steps) / (now - then)
             self._last_steps = (job["steps"], now)
         per_epoch = job["tasks_total"] // max(1, job["epochs"])
-        done_in_epoch = job["tasks_done"] - per_epoch * (job["epoch"] - 1)
+        # The evaluation of an earlier epoch may still run beside this one (the last's, if
+        # any, is the current epoch's own and counts with it).
+        running = sum(m["test_accuracy"] is None for m in job["metrics"][:-1])
+        done_in_epoch = job["tasks_done"] + running - per_epoch * (job["epoch"] - 1)
         width = 12
         filled = int(width * max(0, min(done_in_epoch, per_epoch)) / max(1, per_epoch))
         current = job["metrics"][-1] if job["metrics"] else None

@@ -113,6 +113,16 @@ class Terminal(io.StringIO):
         return True
 
 
+def test_the_terminal_bar_counts_the_epochs_tasks_while_the_one_before_is_evaluated():
+    out = Terminal()
+    status = a_status(1, steps=70)
+    job = status["job"]
+    job["metrics"][0].update(test_loss=None, test_accuracy=None)  # its evaluation still runs
+    job["tasks_done"] = 8 + 4  # epoch 1's training tasks, and 4 of epoch 2's 9 tasks
+    Progress(out, 5, clock=Clock(), width=80).update(status)
+    assert "epoch 2/5 [#####.......]" in out.getvalue()  # 4 of 9
+
+
 def test_the_terminal_bar_fits_the_width_and_says_train():
     out, clock = Terminal(), Clock()
     progress = Progress(out, 5, clock=clock, width=60)
