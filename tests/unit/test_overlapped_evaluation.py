@@ -52,6 +52,15 @@ class Job:
             assert (task.kind, task.epoch) == ("train", epoch)
             self.complete(worker, task)
 
+    def epoch_two_beside_the_first_evaluation(self):
+        """w0 trains epoch 1; w1 leases its evaluation and reads; w0 trains epoch 2 while
+        w1 still evaluates. Returns epoch 1's evaluation (epoch 2's is pending)."""
+        self.train_epoch("w0", 1)
+        first = self.lease("w1")
+        assert self.read("w1", first) is True
+        self.train_epoch("w0", 2)
+        return first
+
     def summary(self, epoch: int):
         return self.runner.snapshot()["metrics"][epoch - 1]
 
@@ -124,10 +133,7 @@ def test_an_evaluation_lost_after_the_next_epoch_started_runs_again_first(caplog
 
 def test_an_epoch_that_ends_while_an_earlier_evaluation_runs_waits_for_it():
     job = Job(epochs=3)
-    job.train_epoch("w0", 1)
-    first = job.lease("w1")
-    assert job.read("w1", first) is True
-    job.train_epoch("w0", 2)
+    first = job.epoch_two_beside_the_first_evaluation()
     second = job.lease("w0")
     assert (second.kind, second.epoch) == ("evaluate", 2)
     # Epoch 3 would leave two evaluations behind the current epoch: it waits.
@@ -156,10 +162,7 @@ def kill(job: Job, dying: str) -> None:
 def test_a_read_that_waited_for_an_earlier_evaluation_is_void_once_its_holder_dies():
     job = Job(epochs=3)
     job.w["w2"] = job.runner.register_worker("w2")
-    job.train_epoch("w0", 1)
-    first = job.lease("w1")
-    assert job.read("w1", first) is True
-    job.train_epoch("w0", 2)
+    first = job.epoch_two_beside_the_first_evaluation()
     second = job.lease("w2")
     assert job.read("w2", second) is False  # epoch 3 waits for epoch 1's evaluation
     kill(job, "w2")  # before epoch 3 started: the next holder must read again
@@ -173,10 +176,7 @@ def test_a_read_that_waited_for_an_earlier_evaluation_is_void_once_its_holder_di
 
 def test_after_a_restart_an_evaluation_that_had_read_must_read_again_or_report():
     job = Job(epochs=3)
-    job.train_epoch("w0", 1)
-    first = job.lease("w1")
-    assert job.read("w1", first) is True
-    job.train_epoch("w0", 2)
+    first = job.epoch_two_beside_the_first_evaluation()
     second = job.lease("w0")
     assert job.read("w0", second) is False  # waits for epoch 1's evaluation
     new = restored(job, job.runner.export_state())
@@ -203,10 +203,7 @@ def test_a_holder_from_before_a_restart_does_not_take_back_a_task_leased_since()
 
 def test_the_job_is_done_only_when_every_evaluation_is_done():
     job = Job(epochs=2)
-    job.train_epoch("w0", 1)
-    first = job.lease("w1")
-    assert job.read("w1", first) is True
-    job.train_epoch("w0", 2)
+    first = job.epoch_two_beside_the_first_evaluation()
     last = job.lease("w0")
     assert job.read("w0", last) is False  # no epoch after the last
     job.complete("w0", last)
@@ -263,10 +260,7 @@ def test_a_state_saved_before_evaluations_ran_beside_epochs_still_restores():
 
 def test_an_epoch_evaluated_and_held_back_before_a_restart_does_not_hold_back_later_ones():
     job = Job(epochs=4)
-    job.train_epoch("w0", 1)
-    first = job.lease("w1")
-    assert job.read("w1", first) is True
-    job.train_epoch("w0", 2)
+    first = job.epoch_two_beside_the_first_evaluation()
     second = job.lease("w0")
     job.complete("w0", second)  # held back behind epoch 1's, then the coordinator restarts
     assert job.evaluated == []
