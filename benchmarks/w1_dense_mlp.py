@@ -11,7 +11,10 @@ ceiling: as many of those compute-only processes at once as there are workers.
 Workers are real `ps-worker` processes running the real training runtime on a job given to
 the coordinator (data: seeded random 784-feature examples in an .npz, 10 classes), each
 with a worker's share of the cores for BLAS (`ps_worker.cluster.worker_environment`: the
-cores split evenly, at least 1 thread each), as `ps-cluster` starts them.
+cores split evenly, at least 1 thread each), as `ps-cluster` starts them. The job evaluates
+no held-out split (`--evaluate-every 0`): a W1 step is a pull, a forward and backward pass
+and a push, as in the compute-only baseline; `--evaluate-every N` measures the job with an
+evaluation after every N-th epoch instead.
 
 This module also holds the W1 machinery that w5_scale.py and profile_w1.py reuse:
 `w1_cluster` (coordinator with the W1 job, servers, workers), `wait_all_stepping`,
@@ -159,10 +162,12 @@ class W1Cluster:
 
 
 @contextlib.contextmanager
-def w1_cluster(servers: int, workers: int, shared_memory: bool = True) -> Iterator[W1Cluster]:
+def w1_cluster(servers: int, workers: int, shared_memory: bool = True, *,
+               evaluate_every: int = 0) -> Iterator[W1Cluster]:
     """The W1 job on a coordinator, `servers` servers and `workers` workers (ids w0, w1, ...)
     each with `blas_threads(workers)` BLAS threads. Stops them all on exit (workers first).
-    `shared_memory=False`: servers and workers run with --no-shm (the gRPC path)."""
+    `shared_memory=False`: servers and workers run with --no-shm (the gRPC path).
+    `evaluate_every`: the job's (0: no evaluation, as W1 defines its steps)."""
     no_shm = [] if shared_memory else ["--no-shm"]
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="paramserve-w1-") as tmp:
@@ -170,7 +175,8 @@ def w1_cluster(servers: int, workers: int, shared_memory: bool = True) -> Iterat
         make_data(data)
         job = ["--model", "mlp", "--hidden", ",".join(map(str, HIDDEN)), "--data", str(data),
                "--batch-size", str(BATCH), "--optimizer", "sgd", "--lr", str(LR),
-               "--epochs", "1000", "--tasks-per-epoch", str(TASKS_PER_EPOCH)]
+               "--epochs", "1000", "--tasks-per-epoch", str(TASKS_PER_EPOCH),
+               "--evaluate-every", str(evaluate_every)]
         with harness.cluster(servers, coordinator_args=job, server_args=no_shm) as c, \
                 harness.ProcessGroup(together=True) as group:
             env = worker_environment(workers)
@@ -270,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-floor", action="store_true",
                         help="over gRPC (--no-shm), skip the floor: W1 on a minimal parameter "
                         "server over bare grpcio (benchmarks/grpc_floor.py)")
+    parser.add_argument("--evaluate-every", type=int, default=0, metavar="N",
+                        help="the job evaluates its held-out split after every N-th epoch "
+                        "(default 0: never, as W1 and the compute-only baseline define a step)")
     parser.add_argument("--compute-only", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
     harness.add_path_flag(parser)
     harness.add_quick_flag(parser)
@@ -278,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(compute_only_steps(args.compute_only)))
         return 0
     harness.apply_quick(parser, args, seconds=1.0, warmup=0.5)
-    if args.seconds <= 0 or args.warmup < 0 or args.workers < 1 or args.servers < 1:
-        parser.error("--seconds must be > 0, --warmup >= 0, --workers and --servers >= 1")
+    if args.seconds <= 0 or args.warmup < 0 or args.workers < 1 or args.servers < 1 \
+            or args.evaluate_every < 0:
+        parser.error("--seconds must be > 0, --warmup >= 0, --workers and --servers >= 1, "
+                     "--evaluate-every >= 0")
     with harness.bounded(args.seconds * 2 + args.warmup + 240, "W1"):
         baseline = compute_only(min(args.seconds, 10.0), args.workers)
         together = compute_only_together(min(args.seconds, 10.0), args.workers)
@@ -291,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                 ["--workload", "w1", "--seconds", repr(args.seconds), "--warmup",
                  repr(args.warmup), "--servers", str(args.servers), "--workers",
                  str(args.workers)], timeout_s=args.seconds + args.warmup + 300)
-        with w1_cluster(args.servers, args.workers, not args.no_shm) as w1c:
+        with w1_cluster(args.servers, args.workers, not args.no_shm,
+                        evaluate_every=args.evaluate_every) as w1c:
             wait_all_stepping(w1c)
             first, last = measure_window(w1c, args.warmup, args.seconds)
             rss = {s.name: s.peak_rss_bytes() for s in w1c.cluster.servers}
@@ -303,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     report_rows = [
         ("model", model_text()),
         ("cluster", f"{args.servers} servers, {args.workers} workers, async, "
-                    f"{harness.path_name(args)} path"),
+                    f"{harness.path_name(args)} path, " + (
+                        f"held-out split evaluated every {args.evaluate_every} epoch(s)"
+                        if args.evaluate_every else "no evaluation")),
         ("paramserve", f"{rate:.1f} steps/s total, {per_worker:.1f} per worker "
                        f"({measured['steps']} steps in {measured['elapsed_s']:.1f} s)"),
         ("compute only", f"{base:.1f} steps/s (same steps, one process with a worker's "
@@ -344,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         "compute_only_cpu_ms_per_step": baseline["cpu_ms_per_step"],
         "blas_threads": baseline["blas_threads"], "server_peak_rss_bytes": rss,
         "steps": measured["steps"], "elapsed_s": measured["elapsed_s"],
-        "path": harness.path_name(args), **extra}, quick=args.quick)
+        "path": harness.path_name(args), "evaluate_every": args.evaluate_every, **extra},
+        quick=args.quick)
     return 0
 
 

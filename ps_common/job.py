@@ -55,6 +55,9 @@ class JobSpec:
     mode: str = "async"
     seed: int = 0
     tasks_per_epoch: int = 8
+    # Evaluate the held-out split after every N-th epoch and after the last; 0: never. An
+    # epoch that is not evaluated does not hold up the next one (see `evaluates`).
+    evaluate_every: int = 1
     # Where the coordinator keeps checkpoints (its --checkpoint-dir wins); "" for none.
     checkpoint_dir: str = ""
     # Workers on a server's host pull and push through shared memory where the server offers
@@ -91,6 +94,9 @@ class JobSpec:
         need(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an integer >= 0")
         need(isinstance(self.tasks_per_epoch, int) and self.tasks_per_epoch >= 1,
              "tasks_per_epoch", "must be an integer >= 1")
+        need(isinstance(self.evaluate_every, int) and not isinstance(self.evaluate_every, bool)
+             and self.evaluate_every >= 0, "evaluate_every",
+             "must be an integer >= 0 (0: never evaluate)")
         need(isinstance(self.checkpoint_dir, str), "checkpoint_dir", "must be a path")
         need(isinstance(self.shared_memory, bool), "shared_memory", "must be true or false")
 
@@ -118,8 +124,27 @@ class JobSpec:
     def from_file(cls, path: str) -> "JobSpec":
         return cls.from_mapping(_read_job_file(path), source=f"--job {path}")
 
+    def evaluates(self, epoch: int) -> bool:
+        """Whether the held-out split is evaluated after `epoch` (1-based): every
+        `evaluate_every`-th epoch and the last, so that the job ends with a held-out figure.
+        The coordinator starts an epoch that follows an evaluated one only once the
+        evaluation has read the parameters it measures; any other epoch starts as soon as
+        every task of the one before has been handed out, so no worker waits at its end."""
+        every = self.evaluate_every
+        return every > 0 and (epoch % every == 0 or epoch == self.epochs)
+
+    def evaluations(self) -> int:
+        """How many epochs are evaluated."""
+        every = self.evaluate_every
+        return 0 if every == 0 else self.epochs // every + (self.epochs % every != 0)
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        values = dataclasses.asdict(self)
+        # Written only when set: a job that keeps the default reads the same to workers and
+        # tools that predate the field (and to a coordinator's saved state).
+        if values["evaluate_every"] == 1:
+            del values["evaluate_every"]
+        return json.dumps(values, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "JobSpec":
@@ -170,7 +195,7 @@ def _parse_hidden(value: Any, source: str) -> tuple[int, ...]:
 # ---- command line ------------------------------------------------------------------------
 
 JOB_FLAGS = ("model", "hidden", "data", "epochs", "batch_size", "optimizer", "lr", "mode",
-             "seed", "tasks_per_epoch")
+             "seed", "tasks_per_epoch", "evaluate_every")
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +218,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                    "gradient from every worker per step); see the README")
     g.add_argument("--seed", type=int)
     g.add_argument("--tasks-per-epoch", type=int)
+    g.add_argument("--evaluate-every", type=int, metavar="N",
+                   help="evaluate the held-out split after every N-th epoch and after the "
+                   "last (default 1: every epoch); 0: never. An epoch that is not evaluated "
+                   "does not hold up the next one")
 
 
 def job_from_args(args: argparse.Namespace) -> JobSpec | None:

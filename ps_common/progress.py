@@ -1,6 +1,6 @@
 """The lines a user reads about a job's progress, one format wherever they are printed:
 ps-cluster's progress and ps-coordinator's log both show `epoch_line` as each epoch is
-evaluated, and ps-coordinator ends with `job_over_line`.
+over, and ps-coordinator ends with `job_over_line`.
 
 Two accuracies are in play and each line says which: the *training* accuracy (of the
 batches an epoch trained on, measured while training) and the *held-out* accuracy (of the
@@ -11,14 +11,19 @@ evaluation task after the epoch, on data the job never trains on). The JSON outc
 from __future__ import annotations
 
 
-def epoch_line(epoch: int, epochs: int, *, loss: float, accuracy: float, test_accuracy: float,
-               test_auc: float | None, steps: int) -> str:
-    """The line shown once an epoch is evaluated: its training loss and accuracy, the
-    held-out accuracy (and held-out AUC where the model gives scores), and `steps`, the
-    training steps of the job up to the end of that epoch."""
-    auc = f"  held-out AUC {test_auc:.4f} (chance 0.5)" if test_auc is not None else ""
+def epoch_line(epoch: int, epochs: int, *, loss: float, accuracy: float,
+               test_accuracy: float | None, test_auc: float | None, steps: int) -> str:
+    """The line shown once an epoch is over: its training loss and accuracy, the held-out
+    accuracy (and held-out AUC where the model gives scores; "not evaluated" for an epoch
+    the job does not evaluate: `test_accuracy` None), and `steps`, the training steps of
+    the job up to the end of that epoch."""
+    if test_accuracy is None:
+        held_out = "held-out: not evaluated"
+    else:
+        auc = f"  held-out AUC {test_auc:.4f} (chance 0.5)" if test_auc is not None else ""
+        held_out = f"held-out acc {test_accuracy:.4f}{auc}"
     return (f"epoch {epoch}/{epochs}  train loss {loss:.4f}  train acc {accuracy:.4f}  "
-            f"held-out acc {test_accuracy:.4f}{auc}  steps {steps}")
+            f"{held_out}  steps {steps}")
 
 
 def job_over_line(summary: dict) -> str:

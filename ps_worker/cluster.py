@@ -220,9 +220,9 @@ class Progress:
     """What ps-cluster shows while the job runs, from the coordinator's status.
 
     On a terminal: a bar for the current epoch, redrawn in place and cut to the terminal's
-    width, and a line per evaluated epoch (`epoch_line`).
+    width, and a line per epoch as it is over (`epoch_line`).
 
-    Piped (a file, a CI log): lines only, at regular points. One line per evaluated epoch,
+    Piped (a file, a CI log): lines only, at regular points. One line per epoch as it is over,
     whose steps are the job's steps up to the end of that epoch (the sum of the epochs'
     steps, however late the status that showed it was read: consecutive lines differ by
     one epoch's steps). While no line has been printed for `interval_s`, a line with the
@@ -251,8 +251,8 @@ class Progress:
         through = 0  # the job's steps up to the end of each epoch
         for m in job["metrics"]:
             through += m.get("steps", 0)
-            if m["test_accuracy"] is None:
-                break  # an epoch's line waits for the epochs before it (evaluations overlap)
+            if not m["over"]:
+                break  # epochs are over in order (an evaluation runs beside the next epoch)
             if m["epoch"] not in self.reported:
                 self.reported.add(m["epoch"])
                 self._line(epoch_line(m["epoch"], self.epochs, loss=m["loss"],
@@ -276,11 +276,7 @@ class Progress:
         if now - then >= 0.5:
             self._rate = (job["steps"] - steps) / (now - then)
             self._last_steps = (job["steps"], now)
-        per_epoch = job["tasks_total"] // max(1, job["epochs"])
-        # The evaluation of an earlier epoch may still run beside this one (the last's, if
-        # any, is the current epoch's own and counts with it).
-        running = sum(m["test_accuracy"] is None for m in job["metrics"][:-1])
-        done_in_epoch = job["tasks_done"] + running - per_epoch * (job["epoch"] - 1)
+        per_epoch, done_in_epoch = job["epoch_tasks"], job["epoch_tasks_done"]
         width = 12
         filled = int(width * max(0, min(done_in_epoch, per_epoch)) / max(1, per_epoch))
         current = job["metrics"][-1] if job["metrics"] else None
@@ -503,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = _monitor(address, coordinator, workers, progress, args.keep_serving, chaos,
                            token, tls)
         if outcome.get("epochs") and outcome["epochs"] not in progress.reported and \
-                outcome.get("accuracy") is not None:  # the monitor missed the last status
+                outcome.get("loss") is not None:  # the monitor missed the last status
             progress.note(epoch_line(outcome["epochs"], job.epochs, loss=outcome["loss"],
                                      accuracy=outcome["train_accuracy"],
                                      test_accuracy=outcome["accuracy"],

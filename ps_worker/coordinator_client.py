@@ -226,13 +226,17 @@ class CoordinatorClient:
                 "mode": job.mode,
                 "staleness": {"max": job.staleness_max},
                 "dropped_stale_gradients": job.dropped_stale_gradients,
+                "epoch_tasks": job.epoch_tasks, "epoch_tasks_done": job.epoch_tasks_done,
                 "spec": JobSpec.from_json(job.job_json).__dict__ if job.job_json else None,
                 "metrics": [
                     {"epoch": m.epoch, "loss": _number(m.loss), "accuracy": _number(m.accuracy),
                      "test_loss": m.test_loss if m.evaluated else None,
                      "test_accuracy": m.test_accuracy if m.evaluated else None,
                      "test_auc": m.test_auc if m.HasField("test_auc") else None,
-                     "steps": m.steps, "examples": m.examples}
+                     "steps": m.steps, "examples": m.examples,
+                     # (a coordinator that predates `over` evaluates every epoch, and
+                     # sets no epoch_tasks)
+                     "over": m.over if job.epoch_tasks else m.evaluated}
                     for m in job.metrics
                 ],
             },

@@ -212,7 +212,7 @@ def _metrics(job: dict, width: int) -> list[str]:
                          "shown: status --json has them all, plot draws them)", indent=0,
                          width=width)
     lines += wrapped("(train: the epoch's training batches; held-out: evaluated after the "
-                     "epoch" + ("; AUC: ROC AUC, chance is 0.5)" if with_auc else ")"),
+                     "epoch, every evaluate_every-th and the last" + ("; AUC: ROC AUC, chance is 0.5)" if with_auc else ")"),
                      indent=0, width=width)
     return lines
 
@@ -325,21 +325,28 @@ def plot(status: dict, out: Path) -> int:
     if not metrics:
         raise ValueError("no epoch has metrics yet")
 
-    def series(key: str) -> list[float]:
-        return [math.nan if m.get(key) is None else m[key] for m in metrics]
+    def series(key: str, over: list[dict]) -> list[float]:
+        return [math.nan if m.get(key) is None else m[key] for m in over]
 
+    # The held-out figures are drawn over the evaluated epochs only (the job may evaluate
+    # every N-th epoch), so that their line joins them.
+    evaluated = [m for m in metrics if m["test_accuracy"] is not None]
     epochs = [m["epoch"] for m in metrics]
+    evaluated_epochs = [m["epoch"] for m in evaluated]
     figure = Figure(figsize=(10, 4), layout="constrained")
     FigureCanvasAgg(figure)
     loss, accuracy = figure.subplots(1, 2)
     marker = "o" if len(epochs) <= 30 else None
-    loss.plot(epochs, series("loss"), marker=marker, label="training loss")
-    loss.plot(epochs, series("test_loss"), marker=marker, label="held-out loss")
-    accuracy.plot(epochs, series("accuracy"), marker=marker, label="training accuracy")
-    accuracy.plot(epochs, series("test_accuracy"), marker=marker, label="held-out accuracy")
+    loss.plot(epochs, series("loss", metrics), marker=marker, label="training loss")
+    loss.plot(evaluated_epochs, series("test_loss", evaluated), marker=marker,
+              label="held-out loss")
+    accuracy.plot(epochs, series("accuracy", metrics), marker=marker, label="training accuracy")
+    accuracy.plot(evaluated_epochs, series("test_accuracy", evaluated), marker=marker,
+                  label="held-out accuracy")
     with_auc = any(m.get("test_auc") is not None for m in metrics)
     if with_auc:
-        accuracy.plot(epochs, series("test_auc"), marker=marker, label="held-out AUC")
+        accuracy.plot(evaluated_epochs, series("test_auc", evaluated), marker=marker,
+                      label="held-out AUC")
     for axes, name in ((loss, "loss"), (accuracy, "accuracy, AUC" if with_auc else "accuracy")):
         axes.set_xlabel("epoch")
         axes.set_ylabel(name)

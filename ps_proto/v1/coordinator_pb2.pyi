@@ -853,6 +853,7 @@ class EpochMetrics(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     EXAMPLES_FIELD_NUMBER: _builtins.int
     TEST_AUC_FIELD_NUMBER: _builtins.int
+    OVER_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     loss: _builtins.float
     accuracy: _builtins.float
@@ -863,6 +864,11 @@ class EpochMetrics(_message.Message):
     examples: _builtins.int
     test_auc: _builtins.float
     """The evaluation's held-out AUC (absent when it has none: see TaskMetrics.auc)."""
+    over: _builtins.bool
+    """The epoch is over: its training is done and so is its evaluation, if it has one (the job
+    field evaluate_every). Epochs are over in order. A coordinator that predates the field
+    evaluates every epoch: `evaluated` says the same there.
+    """
     def __init__(
         self,
         *,
@@ -875,10 +881,11 @@ class EpochMetrics(_message.Message):
         steps: _builtins.int = ...,
         examples: _builtins.int = ...,
         test_auc: _builtins.float | None = ...,
+        over: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_test_auc", b"_test_auc", "test_auc", b"test_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_test_auc", b"_test_auc", "accuracy", b"accuracy", "epoch", b"epoch", "evaluated", b"evaluated", "examples", b"examples", "loss", b"loss", "steps", b"steps", "test_accuracy", b"test_accuracy", "test_auc", b"test_auc", "test_loss", b"test_loss"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_test_auc", b"_test_auc", "accuracy", b"accuracy", "epoch", b"epoch", "evaluated", b"evaluated", "examples", b"examples", "loss", b"loss", "over", b"over", "steps", b"steps", "test_accuracy", b"test_accuracy", "test_auc", b"test_auc", "test_loss", b"test_loss"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__test_auc: _TypeAlias = _typing.Literal["test_auc"]  # noqa: Y015
     _WhichOneofArgType__test_auc: _TypeAlias = _typing.Literal["_test_auc", b"_test_auc"]  # noqa: Y015
@@ -903,6 +910,8 @@ class JobStatus(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     STALENESS_MAX_FIELD_NUMBER: _builtins.int
     DROPPED_STALE_GRADIENTS_FIELD_NUMBER: _builtins.int
+    EPOCH_TASKS_FIELD_NUMBER: _builtins.int
+    EPOCH_TASKS_DONE_FIELD_NUMBER: _builtins.int
     state: _builtins.str
     """"none", "running", "done" or "failed"."""
     epoch: _builtins.int
@@ -921,6 +930,11 @@ class JobStatus(_message.Message):
     """
     staleness_max: _builtins.int
     dropped_stale_gradients: _builtins.int
+    epoch_tasks: _builtins.int
+    """The current epoch's tasks (its training tasks, and its evaluation if it has one) and how
+    many of them are done.
+    """
+    epoch_tasks_done: _builtins.int
     @_builtins.property
     def metrics(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochMetrics]: ...
     def __init__(
@@ -939,10 +953,12 @@ class JobStatus(_message.Message):
         mode: _builtins.str = ...,
         staleness_max: _builtins.int = ...,
         dropped_stale_gradients: _builtins.int = ...,
+        epoch_tasks: _builtins.int = ...,
+        epoch_tasks_done: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale_gradients", b"dropped_stale_gradients", "elapsed_s", b"elapsed_s", "epoch", b"epoch", "epochs", b"epochs", "failure", b"failure", "job_json", b"job_json", "metrics", b"metrics", "mode", b"mode", "staleness_max", b"staleness_max", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "tasks_total", b"tasks_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_stale_gradients", b"dropped_stale_gradients", "elapsed_s", b"elapsed_s", "epoch", b"epoch", "epoch_tasks", b"epoch_tasks", "epoch_tasks_done", b"epoch_tasks_done", "epochs", b"epochs", "failure", b"failure", "job_json", b"job_json", "metrics", b"metrics", "mode", b"mode", "staleness_max", b"staleness_max", "state", b"state", "steps", b"steps", "tasks_done", b"tasks_done", "tasks_total", b"tasks_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -142,7 +142,7 @@ class Coordinator:
         self.runner = JobRunner(config.job, self._clock,
                                 heartbeat_timeout_s=config.heartbeat_timeout_s,
                                 incarnations=incarnations, on_worker_gone=retired.append,
-                                on_epoch_evaluated=self._log_epoch,
+                                on_epoch_done=self._log_epoch,
                                 max_waiting_leases=MAX_WAITING_LEASES)
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint_dir is not None:
@@ -191,12 +191,13 @@ class Coordinator:
         self._finisher: threading.Thread | None = None
 
     def _log_epoch(self, summary: EpochSummary, steps: int) -> None:
-        """Log an evaluated epoch as ps-cluster shows it (a coordinator started by hand
+        """Log an epoch that is over as ps-cluster shows it (a coordinator started by hand
         shows the job's progress too)."""
+        test = summary.test
         log.info("%s", epoch_line(
             summary.epoch, self.runner.job.epochs, loss=summary.train.mean_loss,
-            accuracy=summary.train.accuracy, test_accuracy=summary.test.accuracy,
-            test_auc=summary.test.auc, steps=steps))
+            accuracy=summary.train.accuracy, test_accuracy=test.accuracy if test else None,
+            test_auc=test.auc if test else None, steps=steps))
 
     def _progress(self) -> tuple[int, dict | None]:
         if self.runner.job is None:

@@ -6,23 +6,26 @@ and reason and putting their leased tasks back in the queue. Tests drive it with
 No grpc here.
 
 Bounded by construction: no call scans every task or every worker the job ever had. The
-pending tasks are a heap, epochs keep counters and running metric sums, and only the
-current epoch's tasks and the evaluations still running are held (an epoch's tasks are
-dropped when its evaluation is done, and only tasks that are done are dropped: an id that
-was issued and is not held is known to be done). Leases and forgetting are heaps ordered by
-time, so reaping touches only members whose time has come. What grows with the job is one
-EpochSummary per epoch.
+pending tasks are a heap, epochs keep counters and running metric sums, and only the tasks
+of the epochs not yet over are held (an epoch's tasks are dropped when it is over, and only
+tasks that are done are dropped: an id that was issued and is not held is known to be done).
+Leases and forgetting are heaps ordered by time, so reaping touches only members whose time
+has come. What grows with the job is one EpochSummary per epoch.
 
-An epoch's evaluation measures exactly the parameters the epoch ended with. The next epoch
-starts as soon as the evaluation has read them (`parameters_read`, from a worker evaluating a
-model without tables), or else when it is done, so the other workers train on while one
-evaluates. At most one evaluation runs behind the current epoch: an epoch that ends while an
-earlier evaluation still runs waits for it.
+An epoch is over when its training tasks are done and, if it is evaluated
+(`JobSpec.evaluates`), its evaluation is done. Epochs are over in order, and reported so.
+An epoch's evaluation measures exactly the parameters the epoch ended with: it is handed out
+once every training task up to its epoch is done, and the next epoch starts as soon as it
+has read them (`parameters_read`, from a worker evaluating a model without tables), or else
+when it is done, so the other workers train on while one evaluates. An epoch that is not
+evaluated does not hold up the next one: that one starts as soon as every training task of
+it has been handed out, so that no worker waits for the last tasks of an epoch to finish.
+Either way at most one epoch runs behind the current one: the epoch after waits for it.
 
-Persistence: `export_state()` is the same bounded state as plain JSON values (the current
-epoch's tasks and the evaluations still running, the tracked workers, one summary per
-epoch) and `restore_state()` rebuilds it in a new process, so a restarted coordinator
-resumes the job instead of restarting it.
+Persistence: `export_state()` is the same bounded state as plain JSON values (the epochs
+not over and their tasks, the tracked workers, one summary per epoch) and `restore_state()`
+rebuilds it in a new process, so a restarted coordinator resumes the job instead of
+restarting it.
 Monotonic times do not survive a process: elapsed seconds are stored, and restored workers
 start a fresh heartbeat lease (or forgetting delay) from the restoring clock's now.
 """
@@ -123,9 +126,8 @@ class Task:
     # finished it since (its report went to the predecessor), so its report is still taken.
     resumed_holder: tuple[str, int] | None = None
     # An evaluation: its holder has read the parameters it measures (the next epoch may
-    # have started since); and the job's training steps up to the end of its epoch.
+    # have started since).
     parameters_read: bool = False
-    epoch_steps: int | None = None
 
 
 @dataclass
@@ -149,6 +151,15 @@ class Worker:
     leased: set[int] = field(default_factory=set)
     data_path: str = ""  # as the worker reports it: "shm", "grpc", "shm+grpc"
     wait_s: float = 0.0  # its pushes' waits for other workers (StepReport)
+
+
+@dataclass
+class _OpenEpoch:
+    """An epoch that is not over yet: its training tasks done, and its evaluation's task id
+    once that is handed out."""
+
+    train_done: int = 0
+    evaluation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -177,13 +188,13 @@ class JobRunner:
     back into the runner. An exception it raises is logged and swallowed: the change is
     already made, and the caller that happened to trigger it must not fail for it.
 
-    `on_epoch_evaluated(summary, steps)` is called once for each epoch whose evaluation is
-    reported done (the first report; never for epochs restored by `restore_state`), with the
-    epoch's EpochSummary and the job's training steps up to the end of that epoch (the next
-    epoch may be under way: see the module docstring), in epoch order: an evaluation done
-    before the one of the epoch before it is held back until that one is done. Like
-    on_worker_gone, it is called after the lock is released on the reporting thread, may
-    call back into the runner, and an exception it raises is logged and swallowed.
+    `on_epoch_done(summary, steps)` is called once for each epoch as it is over (never for
+    epochs that were over before `restore_state`), with the epoch's EpochSummary (`test`
+    None when it is not evaluated) and the job's training steps up to the end of that epoch
+    (the sum of the epochs' steps; the next epoch may be under way: see the module
+    docstring), in epoch order. Like on_worker_gone, it is called after the lock is released
+    on the reporting thread, may call back into the runner, and an exception it raises is
+    logged and swallowed.
 
     Dead and done workers are forgotten `forget_after_s` (default max(60, 6 x
     heartbeat_timeout_s)) after they stopped being live.
@@ -198,7 +209,7 @@ class JobRunner:
                  incarnations: Callable[[], int] | None = None,
                  on_worker_gone: Callable[[str, int], None] | None = None,
                  forget_after_s: float | None = None,
-                 on_epoch_evaluated: Callable[[EpochSummary, int], None] | None = None,
+                 on_epoch_done: Callable[[EpochSummary, int], None] | None = None,
                  max_waiting_leases: int = 0):
         if incarnations is not None and first_incarnation is not None:
             raise ValueError("give JobRunner either incarnations or first_incarnation, not both")
@@ -211,7 +222,7 @@ class JobRunner:
         self._timeout = heartbeat_timeout_s
         self._forget_after = forget_after_s
         self._on_worker_gone = on_worker_gone
-        self._on_epoch_evaluated = on_epoch_evaluated
+        self._on_epoch_done = on_epoch_done
         self._lock = threading.Lock()
         # Waiting leases sleep on it, woken (_wake_leases) by what may end a wait: a task
         # pending, the job over, a worker gone. Not by every call: a waiting lease's own
@@ -233,22 +244,23 @@ class JobRunner:
         self._sequence = itertools.count()
         # (worker_id, incarnation) gone since the lock was taken; run once it is released.
         self._gone: list[tuple[str, int]] = []
-        # (summary, steps) of epochs evaluated since the lock was taken; likewise. Epochs
-        # up to `_reported_through` are in it or were; later ones wait in `_held_back`.
-        self._evaluated: list[tuple[EpochSummary, int]] = []
-        self._held_back: dict[int, tuple[EpochSummary, int]] = {}
-        self._reported_through = 0
-        # The current epoch's tasks and the evaluations still running (at most one of an
-        # earlier epoch); `_issued` is the highest task id ever handed out.
+        # (summary, steps) of epochs over since the lock was taken; likewise.
+        self._epochs_over: list[tuple[EpochSummary, int]] = []
+        # The tasks of the epochs not over yet (at most the current one and the one before);
+        # `_issued` is the highest task id ever handed out.
         self._tasks: dict[int, Task] = {}
         self._issued = 0
+        self._open: dict[int, _OpenEpoch] = {}  # the epochs not over yet, by number
+        # The training steps of the epochs that are over.
+        self._steps_through = 0
+        # The current epoch's training tasks not handed out (PENDING).
+        self._unleased = 0
         # The current epoch's evaluation has read its parameters or is done: the next epoch
-        # may start (once no earlier evaluation is running).
+        # may start (once the epoch before it is over).
         self._epoch_released = False
         # Every PENDING task exactly once, as (not an evaluation, task_id): evaluations first
         # (they measure an epoch that has just ended), then the oldest task.
         self._pending: list[tuple[bool, int]] = []
-        self._train_done = 0  # train tasks done in the current epoch
         self._tasks_done = 0
         self._steps = 0
         self._summaries: list[EpochSummary] = []
@@ -275,9 +287,9 @@ class JobRunner:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Hold the lock and reap first; on the way out (a raise included) release it, then
-        make the on_worker_gone and on_epoch_evaluated calls collected meanwhile."""
+        make the on_worker_gone and on_epoch_done calls collected meanwhile."""
         gone: list[tuple[str, int]] = []
-        evaluated: list[tuple[EpochSummary, int]] = []
+        over: list[tuple[EpochSummary, int]] = []
         try:
             with self._lock:
                 try:
@@ -285,12 +297,12 @@ class JobRunner:
                     yield
                 finally:
                     gone, self._gone = self._gone, []
-                    evaluated, self._evaluated = self._evaluated, []
+                    over, self._epochs_over = self._epochs_over, []
         finally:
             for worker_id, incarnation in gone:
                 self._notify_gone(worker_id, incarnation)
-            for summary, steps in evaluated:
-                self._notify_evaluated(summary, steps)
+            for summary, steps in over:
+                self._notify_epoch_done(summary, steps)
 
     def _notify_gone(self, worker_id: str, incarnation: int) -> None:
         if self._on_worker_gone is None:
@@ -300,33 +312,34 @@ class JobRunner:
         except Exception:  # the change is made; see the class docstring
             log.exception("on_worker_gone(%r, %d) failed", worker_id, incarnation)
 
-    def _notify_evaluated(self, summary: EpochSummary, steps: int) -> None:
-        if self._on_epoch_evaluated is None:
+    def _notify_epoch_done(self, summary: EpochSummary, steps: int) -> None:
+        if self._on_epoch_done is None:
             return
         try:
-            self._on_epoch_evaluated(summary, steps)
+            self._on_epoch_done(summary, steps)
         except Exception:  # the change is made; see the class docstring
-            log.exception("on_epoch_evaluated(epoch %d) failed", summary.epoch)
+            log.exception("on_epoch_done(epoch %d) failed", summary.epoch)
 
     # ---- epochs and tasks (expect the lock held) --------------------------------------
 
     def _start_epoch(self, epoch: int) -> None:
-        # What is left of earlier epochs is an evaluation still running.
+        # What is held of earlier epochs is what is not done of the one not over yet.
         self._tasks = {i: t for i, t in self._tasks.items() if t.state is not TaskState.DONE}
         self._epoch = epoch
         self._epoch_released = False
-        self._train_done = 0
+        self._open[epoch] = _OpenEpoch()
+        self._unleased = self.job.tasks_per_epoch
         self._summaries.append(EpochSummary(epoch, Metrics(), None))
         for index in range(self.job.tasks_per_epoch):
             self._add_task("train", epoch, index)
 
-    def _add_task(self, kind: str, epoch: int, index: int) -> None:
+    def _add_task(self, kind: str, epoch: int, index: int) -> int:
         self._issued += 1
         task_id = self._issued
-        self._tasks[task_id] = Task(task_id, kind, epoch, index,
-                                    epoch_steps=self._steps if kind == "evaluate" else None)
+        self._tasks[task_id] = Task(task_id, kind, epoch, index)
         heapq.heappush(self._pending, (kind != "evaluate", task_id))
         self._wake_leases()
+        return task_id
 
     def _wake_leases(self) -> None:
         """Waiting leases look again: a task may be pending, the job over, or one of them
@@ -335,58 +348,66 @@ class JobRunner:
         self._changed.notify_all()
 
     def _record(self, task: Task, metrics: Metrics) -> None:
-        """A task is done: count it and add its metrics to its epoch (a training task's is
-        the current one; an evaluation's may be the one before)."""
+        """A task is done: count it and add its metrics to its epoch."""
         self._tasks_done += 1
         index = task.epoch - 1
         summary = self._summaries[index]
         if task.kind == "train":
-            self._train_done += 1
+            self._open[task.epoch].train_done += 1
             self._steps += metrics.steps
             self._summaries[index] = EpochSummary(summary.epoch, summary.train + metrics,
                                                   summary.test)
         else:
             self._summaries[index] = EpochSummary(summary.epoch, summary.train, metrics)
-            steps = task.epoch_steps if task.epoch_steps is not None else self._steps
-            self._held_back[task.epoch] = (self._summaries[index], steps)
-            while True:
-                following = self._reported_through + 1
-                if following in self._held_back:
-                    self._evaluated.append(self._held_back.pop(following))
-                elif not (following <= len(self._summaries)
-                          and self._summaries[following - 1].test is not None):
-                    break  # (an epoch evaluated before a restart is not reported again)
-                self._reported_through = following
 
-    def _advance(self, task: Task) -> None:
-        """After an epoch's last training task: its evaluation task. After an evaluation: its
-        epoch's tasks are dropped (every one is done), and the next epoch starts or the job
-        ends, as `_next_epoch` says. A job that is no longer running does not advance."""
+    def _advance(self) -> None:
+        """After a task is done: the evaluations that are due are handed out, the epochs
+        that are over end (in order: reported, their tasks dropped), and the next epoch
+        starts or the job ends, as `_next_epoch` says. A job that is no longer running does
+        not advance."""
         if self.state is not JobState.RUNNING:
             return
-        if task.kind == "train":
-            if self._train_done == self.job.tasks_per_epoch:
-                self._add_task("evaluate", self._epoch, 0)
-            return
-        if task.epoch == self._epoch:
-            self._epoch_released = True
-        self._tasks = {i: t for i, t in self._tasks.items()
-                       if t.epoch > task.epoch or t.state is not TaskState.DONE}
+        per_epoch = self.job.tasks_per_epoch
+        for epoch in sorted(self._open):  # at most two
+            progress = self._open[epoch]
+            if progress.train_done < per_epoch:
+                break  # an evaluation waits for every training step up to its epoch
+            if self.job.evaluates(epoch) and progress.evaluation is None:
+                progress.evaluation = self._add_task("evaluate", epoch, 0)
+        for epoch in sorted(self._open):
+            progress = self._open[epoch]
+            if progress.train_done < per_epoch or (
+                    progress.evaluation is not None
+                    and self._tasks[progress.evaluation].state is not TaskState.DONE):
+                break
+            del self._open[epoch]
+            self._tasks = {i: t for i, t in self._tasks.items()
+                           if t.epoch > epoch or t.state is not TaskState.DONE}
+            summary = self._summaries[epoch - 1]
+            self._steps_through += summary.train.steps
+            self._epochs_over.append((summary, self._steps_through))
         self._next_epoch()
 
     def _next_epoch(self) -> None:
-        """Start the next epoch once the current one's evaluation has read its parameters
-        (or is done) and no earlier evaluation is still running; after the last epoch, end
-        the job once every evaluation is done."""
-        if not self._epoch_released or any(
-                t.kind == "evaluate" and t.epoch < self._epoch for t in self._tasks.values()):
-            return  # held tasks of earlier epochs are evaluations not done yet
+        """Start the next epoch once the current one lets it (its evaluation has read its
+        parameters or is done; not evaluated: every training task of it is handed out) and
+        the epoch before it is over; after the last epoch, end the job once every epoch is
+        over."""
+        if self._epoch in self._open:
+            if len(self._open) > 1:
+                return  # the epoch before is not over: at most one runs behind
+            released = (self._epoch_released if self.job.evaluates(self._epoch)
+                        else self._unleased == 0)
+            if not released:
+                return
         if self._epoch < self.job.epochs:
             self._start_epoch(self._epoch + 1)
-        elif not any(t.kind == "evaluate" for t in self._tasks.values()):
+        elif not self._open:
             self._finish(JobState.DONE)
 
     def _release(self, task: Task) -> None:
+        if task.kind == "train" and task.epoch == self._epoch:
+            self._unleased += 1
         if task.kind == "evaluate" and task.parameters_read:
             if task.epoch < self._epoch:
                 log.warning("the evaluation of epoch %d lost its worker after the next epoch "
@@ -543,6 +564,9 @@ class JobRunner:
                     task.state, task.holder = TaskState.LEASED, (worker_id, incarnation)
                     task.attempts += 1
                     worker.leased.add(task_id)
+                    if task.kind == "train" and task.epoch == self._epoch:
+                        self._unleased -= 1
+                        self._next_epoch()  # an epoch not evaluated is now all handed out
                     return "task", task
                 if self._waits_stopped or (not waited and self._waiting >= self._max_waiting):
                     return "wait", None
@@ -552,7 +576,7 @@ class JobRunner:
                 self._waiting += 1
                 seen = self._changes  # a change from now on, even before the wait, ends it
             # The wait holds the bare lock, outside _locked(): the calls to on_worker_gone
-            # and on_epoch_evaluated that this lease's own reaping collected are made as it
+            # and on_epoch_done that this lease's own reaping collected are made as it
             # lets go of the lock above, not when the wait ends.
             with self._lock:
                 try:
@@ -625,7 +649,7 @@ class JobRunner:
                 self._note_steps(worker, steps)
             task.state, task.holder, task.metrics = TaskState.DONE, None, metrics
             self._record(task, metrics)
-            self._advance(task)
+            self._advance()
             return False
 
     def parameters_read(self, worker_id: str, incarnation: int, task_id: int) -> bool:
@@ -716,7 +740,11 @@ class JobRunner:
                 "epoch": self._epoch,
                 "epochs": self.job.epochs if self.job else 0,
                 "tasks_done": self._tasks_done,
-                "tasks_total": self.job.epochs * (self.job.tasks_per_epoch + 1) if self.job else 0,
+                "tasks_total": (self.job.epochs * self.job.tasks_per_epoch
+                                + self.job.evaluations()) if self.job else 0,
+                **self._current_epoch_tasks(),
+                # Epochs are over in order: every one before the first not over is.
+                "over_through": min(self._open) - 1 if self._open else self._epoch,
                 "steps": self._steps,
                 "elapsed_s": end - self._started_at,
                 "metrics": list(self._summaries),
@@ -737,13 +765,24 @@ class JobRunner:
                 ],
             }
 
+    def _current_epoch_tasks(self) -> dict:
+        """The current epoch's tasks (its training tasks and its evaluation, if any) and how
+        many of them are done: what the progress bar shows."""
+        if not self.job:
+            return {"epoch_tasks": 0, "epoch_tasks_done": 0}
+        total = self.job.tasks_per_epoch + self.job.evaluates(self._epoch)
+        progress = self._open.get(self._epoch)
+        if progress is None:  # over
+            return {"epoch_tasks": total, "epoch_tasks_done": total}
+        return {"epoch_tasks": total, "epoch_tasks_done": progress.train_done}
+
     def live_workers(self) -> int:
         with self._locked():
             return self._alive
 
     def tracked_tasks(self) -> int:
-        """How many tasks the runner holds in memory (at most one epoch's, plus its
-        evaluation and the previous epoch's)."""
+        """How many tasks the runner holds in memory (those of the epochs not over: at most
+        the current one's and what is left of the one before)."""
         with self._locked():
             return len(self._tasks)
 
@@ -798,7 +837,9 @@ class JobRunner:
                 "failure": self.failure,
                 "epoch": self._epoch,
                 "issued": self._issued,
-                "train_done": self._train_done,
+                "open_epochs": [{"epoch": epoch, "train_done": p.train_done,
+                                 "evaluation": p.evaluation}
+                                for epoch, p in sorted(self._open.items())],
                 "epoch_released": self._epoch_released,
                 "tasks_done": self._tasks_done,
                 "steps": self._steps,
@@ -809,8 +850,7 @@ class JobRunner:
                            "holder": list(t.holder) if t.holder else None,
                            "attempts": t.attempts,
                            "metrics": asdict(t.metrics) if t.metrics else None,
-                           "parameters_read": t.parameters_read,
-                           "epoch_steps": t.epoch_steps}
+                           "parameters_read": t.parameters_read}
                           for t in self._tasks.values()],
                 "summaries": [{"epoch": s.epoch, "train": asdict(s.train),
                                "test": asdict(s.test) if s.test else None}
@@ -850,8 +890,7 @@ class JobRunner:
                                         tuple(t["holder"]) if t["holder"] else None,
                                         t["attempts"],
                                         Metrics(**t["metrics"]) if t["metrics"] else None,
-                                        parameters_read=bool(t.get("parameters_read", False)),
-                                        epoch_steps=t.get("epoch_steps"))
+                                        parameters_read=bool(t.get("parameters_read", False)))
                      for t in state["tasks"]}
             summaries = [EpochSummary(s["epoch"], Metrics(**s["train"]),
                                       Metrics(**s["test"]) if s["test"] else None)
@@ -860,8 +899,15 @@ class JobRunner:
                                w["reason"], None, w["tasks_done"], w["steps"], set(w["leased"])),
                         w["died_at_s"]) for w in state["workers"]]
             job_state, failure = JobState(state["state"]), state["failure"]
-            counters = [state[k] for k in ("epoch", "issued", "train_done", "tasks_done",
-                                           "steps")]
+            counters = [state[k] for k in ("epoch", "issued", "tasks_done", "steps")]
+            if "open_epochs" in state:
+                open_epochs = {o["epoch"]: _OpenEpoch(o["train_done"], o["evaluation"])
+                               for o in state["open_epochs"]}
+            else:
+                open_epochs = self._open_epochs_of_old_state(state, tasks, summaries)
+            for progress in open_epochs.values():
+                if progress.evaluation is not None and progress.evaluation not in tasks:
+                    raise ValueError(f"evaluation task {progress.evaluation} is not held")
             elapsed, finished = float(state["elapsed_s"]), bool(state["finished"])
             # Saved before evaluations ran beside the next epoch: the epoch waited for them.
             released = bool(state.get("epoch_released", False))
@@ -876,12 +922,12 @@ class JobRunner:
                 raise RuntimeError("restore_state needs a runner no worker has talked to")
             now = self._clock.monotonic()
             self.state, self.failure = job_state, failure
-            self._epoch, self._issued, self._train_done, self._tasks_done, self._steps = counters
+            self._epoch, self._issued, self._tasks_done, self._steps = counters
             self._epoch_released = released
-            self._held_back = {}
-            # Epochs evaluated before the restart are not reported again.
-            self._reported_through = next((s.epoch - 1 for s in summaries if s.test is None),
-                                          len(summaries))
+            self._open = open_epochs
+            # Epochs over before the restart are not reported again.
+            self._steps_through = sum(s.train.steps for s in summaries
+                                      if s.epoch not in open_epochs)
             # Elapsed time goes on from where it was (and stays put for a finished job).
             self._started_at = now - elapsed
             self._finished_at = now if finished else None
@@ -909,6 +955,8 @@ class JobRunner:
             self._pending = [(t.kind != "evaluate", t.task_id) for t in tasks.values()
                              if t.state is TaskState.PENDING]
             heapq.heapify(self._pending)
+            self._unleased = sum(t.kind == "train" and t.epoch == self._epoch
+                                 and t.state is TaskState.PENDING for t in tasks.values())
             self._expiries, self._forgets, self._workers = [], [], {}
             for worker, died_at_s in workers:
                 worker.last_heartbeat = now
@@ -919,3 +967,18 @@ class JobRunner:
                 else:
                     self._schedule(self._forgets, now + self._forget_after, worker)
             self._alive = sum(w.state is WorkerState.ALIVE for w in self._workers.values())
+
+    def _open_epochs_of_old_state(self, state: dict, tasks: dict[int, Task],
+                                  summaries: list[EpochSummary]) -> dict[int, _OpenEpoch]:
+        """The epochs not over in a state saved before epochs could run behind one another
+        not evaluated: the current one unless evaluated, and any epoch whose evaluation
+        still runs (its training was all done)."""
+        open_epochs = {t.epoch: _OpenEpoch(self.job.tasks_per_epoch, t.task_id)
+                       for t in tasks.values()
+                       if t.kind == "evaluate" and t.state is not TaskState.DONE}
+        epoch = state["epoch"]
+        if 1 <= epoch <= len(summaries) and summaries[epoch - 1].test is None:
+            evaluation = next((t.task_id for t in tasks.values()
+                               if t.kind == "evaluate" and t.epoch == epoch), None)
+            open_epochs[epoch] = _OpenEpoch(int(state["train_done"]), evaluation)
+        return open_epochs

@@ -222,7 +222,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 test_loss=e.test.mean_loss if e.test else 0.0,
                 test_accuracy=e.test.accuracy if e.test else 0.0,
                 evaluated=e.test is not None, steps=e.train.steps, examples=e.train.examples,
-                test_auc=e.test.auc if e.test else None,
+                test_auc=e.test.auc if e.test else None, over=e.epoch <= snap["over_through"],
             ) for e in snap["metrics"]]
             job = self._runner.job
             return pb.ClusterStatus(
@@ -232,7 +232,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     steps=snap["steps"], elapsed_s=snap["elapsed_s"], metrics=metrics,
                     job_json=job.to_json() if job else "", failure=snap["failure"],
                     mode=snap["mode"], staleness_max=snap["staleness_max"],
-                    dropped_stale_gradients=snap["dropped_stale_gradients"]),
+                    dropped_stale_gradients=snap["dropped_stale_gradients"],
+                    epoch_tasks=snap["epoch_tasks"], epoch_tasks_done=snap["epoch_tasks_done"]),
                 workers=[pb.WorkerStatus(**w) for w in snap["workers"]],
                 servers=servers,
                 shard_map_epoch=shard_map.epoch,

@@ -22,3 +22,18 @@ def test_status_of_a_job_with_no_progress_is_strict_json():
         "running", 1, 0, 2 * (JobSpec().tasks_per_epoch + 1))
     assert job["metrics"][0]["loss"] is None and job["metrics"][0]["test_accuracy"] is None
     assert [(w["id"], w["state"]) for w in status["workers"]] == [("w0", "alive")]
+
+
+def test_status_counts_the_tasks_of_a_job_that_evaluates_every_other_epoch():
+    job = JobSpec(epochs=3, tasks_per_epoch=2, evaluate_every=2)
+    config = CoordinatorConfig(job=job, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0,
+                               grace_s=0.5)
+    with Coordinator(config) as coordinator, \
+            CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
+        client.register_worker("w0")
+        status = client.status()["job"]
+    # Epochs 2 and 3 (the last) are evaluated; epoch 1 is two training tasks and no more.
+    assert (status["tasks_total"], status["epoch_tasks"], status["epoch_tasks_done"]) == (
+        3 * 2 + 2, 2, 0)
+    assert status["metrics"][0]["over"] is False
+    assert status["spec"]["evaluate_every"] == 2

@@ -245,6 +245,17 @@ def test_ps_cluster_trains_digits_and_every_process_exits_0(launch, tmp_path):
     assert processes_mentioning(str(log_dir)) == []
 
 
+def test_ps_cluster_evaluating_every_other_epoch_shows_every_epoch_in_order(launch, tmp_path):
+    proc, _, _ = start_ps_cluster(launch, tmp_path, "--epochs", "3", "--evaluate-every", "2")
+    assert proc.wait(JOB_S) == 0, proc.logs()
+    lines = [line for line in proc.stdout().splitlines() if line.startswith("epoch ")
+             and "  steps " in line and "training" not in line]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], proc.stdout()
+    assert ["held-out: not evaluated" in line for line in lines] == [True, False, False]
+    outcome = json.loads(proc.stdout().splitlines()[-1])
+    assert outcome["state"] == "done" and outcome["accuracy"] is not None, outcome
+
+
 def test_ps_cluster_with_no_workers_says_how_to_start_one(launch, tmp_path):
     proc, address, _ = start_ps_cluster(launch, tmp_path, "--workers", "0")
     deadline = time.monotonic() + READY_S

@@ -20,7 +20,7 @@ def run(runner: JobRunner, worker: str, incarnation: int, kind: str, metrics: Me
 def test_each_evaluated_epoch_is_reported_once_with_the_steps_up_to_its_end():
     reported = []
     runner = JobRunner(JobSpec(epochs=2, tasks_per_epoch=2), FakeClock(), heartbeat_timeout_s=10,
-                       on_epoch_evaluated=lambda summary, steps: reported.append((summary, steps)))
+                       on_epoch_done=lambda summary, steps: reported.append((summary, steps)))
     w0 = runner.register_worker("w0")
     for epoch in (1, 2):
         run(runner, "w0", w0, "train", Metrics(2.0, 4, 3, steps=3))
@@ -41,15 +41,15 @@ def test_a_failing_callback_changes_nothing_and_a_restored_job_does_not_report_a
         raise RuntimeError("the log is gone")
 
     runner = JobRunner(JobSpec(epochs=2, tasks_per_epoch=1), FakeClock(), heartbeat_timeout_s=10,
-                       on_epoch_evaluated=fail)
+                       on_epoch_done=fail)
     w0 = runner.register_worker("w0")
     run(runner, "w0", w0, "train", Metrics(1.0, 2, 1, steps=1))
     run(runner, "w0", w0, "evaluate", Metrics(1.0, 2, 1))
-    assert runner.snapshot()["epoch"] == 2 and "on_epoch_evaluated" in caplog.text
+    assert runner.snapshot()["epoch"] == 2 and "on_epoch_done" in caplog.text
     reported = []
     restored = JobRunner(JobSpec(epochs=2, tasks_per_epoch=1), FakeClock(),
                          heartbeat_timeout_s=10,
-                         on_epoch_evaluated=lambda summary, steps: reported.append(summary.epoch))
+                         on_epoch_done=lambda summary, steps: reported.append(summary.epoch))
     restored.restore_state(runner.export_state())
     w1 = restored.register_worker("w1")
     run(restored, "w1", w1, "train", Metrics(1.0, 2, 1, steps=1))

@@ -17,7 +17,7 @@ def test_defaults():
     assert dataclasses.asdict(job) == {
         "model": "mlp", "hidden": (64,), "data": "digits", "epochs": 10, "batch_size": 32,
         "optimizer": "adam", "lr": 0.002, "mode": "async", "seed": 0, "tasks_per_epoch": 8,
-        "checkpoint_dir": "", "shared_memory": True}
+        "evaluate_every": 1, "checkpoint_dir": "", "shared_memory": True}
 
 
 def test_spec_is_frozen():
@@ -47,6 +47,9 @@ def test_dashes_in_keys_mean_underscores():
     ("lr", 0),
     ("hidden", "a,b"),
     ("tasks_per_epoch", 0),
+    ("evaluate_every", -1),
+    ("evaluate_every", 1.5),
+    ("evaluate_every", True),
     ("seed", -1),
     ("model", ""),
     ("data", ""),
@@ -158,16 +161,17 @@ def test_one_flag_gives_a_job_with_defaults_for_the_rest():
 def test_all_flags():
     job = parse("--model", "logreg", "--hidden", "8,4", "--data", "synthetic", "--epochs", "2",
                 "--batch-size", "7", "--optimizer", "momentum", "--lr", "0.2", "--mode", "async",
-                "--seed", "5", "--tasks-per-epoch", "3")
+                "--seed", "5", "--tasks-per-epoch", "3", "--evaluate-every", "0")
     assert job == JobSpec(model="logreg", hidden=(8, 4), data="synthetic", epochs=2,
                           batch_size=7, optimizer="momentum", lr=0.2, mode="async", seed=5,
-                          tasks_per_epoch=3)
+                          tasks_per_epoch=3, evaluate_every=0)
 
 
 @pytest.mark.parametrize("argv, flag", [
     (["--batch-size", "-1"], "--batch-size"),
     (["--epochs", "0"], "--epochs"),
     (["--tasks-per-epoch", "0"], "--tasks-per-epoch"),
+    (["--evaluate-every", "-2"], "--evaluate-every"),
     (["--optimizer", "rmsprop"], "--optimizer"),
     (["--lr", "0"], "--lr"),
 ])
@@ -210,12 +214,18 @@ def test_bad_field_in_job_file_names_the_file_not_a_flag(tmp_path):
 @pytest.mark.parametrize("job", [
     JobSpec(),
     JobSpec(model="logreg", hidden=(128, 64), data="synthetic", epochs=3, batch_size=8,
-            optimizer="sgd", lr=0.25, seed=7, tasks_per_epoch=2),
+            optimizer="sgd", lr=0.25, seed=7, tasks_per_epoch=2, evaluate_every=3),
 ])
 def test_json_round_trip(job):
     text = job.to_json()
     assert isinstance(json.loads(text), dict)
     assert JobSpec.from_json(text) == job
+
+
+def test_evaluate_every_is_written_only_when_set():
+    """A job that keeps the default reads the same to workers and tools that predate it."""
+    assert "evaluate_every" not in json.loads(JobSpec().to_json())
+    assert json.loads(JobSpec(evaluate_every=0).to_json())["evaluate_every"] == 0
 
 
 # ---- known bugs --------------------------------------------------------------------------

@@ -22,18 +22,19 @@ class Clock:
 
 
 def a_status(evaluated: int, *, steps: int, state: str = "running", epochs: int = 5) -> dict:
-    """`evaluated` epochs done and evaluated; the next one has trained `steps` beyond them
-    (when the job runs)."""
+    """`evaluated` epochs over and evaluated; the next one has trained `steps` beyond them
+    (when the job runs): 8 training tasks and an evaluation an epoch."""
     metrics = [{"epoch": e, "loss": 0.5 / e, "accuracy": 0.8 + e / 100, "test_loss": 0.4 / e,
                 "test_accuracy": 0.85 + e / 100, "test_auc": None, "steps": STEPS_PER_EPOCH,
-                "examples": 1536} for e in range(1, evaluated + 1)]
+                "examples": 1536, "over": True} for e in range(1, evaluated + 1)]
     in_progress = steps - evaluated * STEPS_PER_EPOCH
     if state == "running":
         metrics.append({"epoch": evaluated + 1, "loss": 0.1, "accuracy": 0.97,
                         "test_loss": None, "test_accuracy": None, "test_auc": None,
-                        "steps": in_progress, "examples": in_progress * 32})
+                        "steps": in_progress, "examples": in_progress * 32, "over": False})
     return {"job": {"state": state, "epoch": len(metrics), "epochs": epochs,
                     "tasks_done": evaluated * 9, "tasks_total": epochs * 9, "steps": steps,
+                    "epoch_tasks": 9, "epoch_tasks_done": in_progress * 8 // STEPS_PER_EPOCH,
                     "metrics": metrics},
             "workers": [{"state": "alive"}, {"state": "alive"}]}
 
@@ -47,8 +48,8 @@ def test_an_epoch_evaluated_before_the_one_before_it_waits_for_that_ones_line():
     progress = Progress(out, 5, clock=clock, interval_s=10.0)
     status = a_status(2, steps=110)
     first = status["job"]["metrics"][0]
-    evaluated = {key: first[key] for key in ("test_loss", "test_accuracy")}
-    first.update(test_loss=None, test_accuracy=None)  # its evaluation still runs
+    evaluated = {key: first[key] for key in ("test_loss", "test_accuracy", "over")}
+    first.update(test_loss=None, test_accuracy=None, over=False)  # its evaluation still runs
     progress.update(status)
     assert out.getvalue() == ""
     first.update(evaluated)
@@ -113,12 +114,12 @@ class Terminal(io.StringIO):
         return True
 
 
-def test_the_terminal_bar_counts_the_epochs_tasks_while_the_one_before_is_evaluated():
+def test_the_terminal_bar_shows_the_current_epochs_tasks_done():
     out = Terminal()
     status = a_status(1, steps=70)
     job = status["job"]
-    job["metrics"][0].update(test_loss=None, test_accuracy=None)  # its evaluation still runs
-    job["tasks_done"] = 8 + 4  # epoch 1's training tasks, and 4 of epoch 2's 9 tasks
+    job["metrics"][0].update(test_loss=None, test_accuracy=None, over=False)  # evaluating
+    job["tasks_done"], job["epoch_tasks_done"] = 8 + 4, 4  # 4 of epoch 2's 9 tasks
     Progress(out, 5, clock=Clock(), width=80).update(status)
     assert "epoch 2/5 [#####.......]" in out.getvalue()  # 4 of 9
 
@@ -138,3 +139,17 @@ def test_the_terminal_bar_fits_the_width_and_says_train():
     clock.now += 1.0
     progress.update(a_status(1, steps=50))
     assert "\r\033[Kepoch 1/5  train loss" in out.getvalue()  # the epoch line replaces it
+
+
+def test_an_epoch_the_job_does_not_evaluate_has_its_line_once_it_is_over():
+    out, clock = io.StringIO(), Clock()
+    progress = Progress(out, 5, clock=clock, interval_s=10.0)
+    status = a_status(2, steps=110)
+    first = status["job"]["metrics"][0]
+    first.update(test_loss=None, test_accuracy=None)  # evaluate_every 2: epoch 1 is not
+    progress.update(status)
+    lines = out.getvalue().splitlines()
+    assert lines == ["epoch 1/5  train loss 0.5000  train acc 0.8100  held-out: not evaluated"
+                     "  steps 48",
+                     "epoch 2/5  train loss 0.2500  train acc 0.8200  held-out acc 0.8700"
+                     "  steps 96"]
