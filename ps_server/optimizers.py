@@ -104,8 +104,9 @@ def apply_update(
     spec: VariableSpec, knobs: dict[str, float], values: np.ndarray,
     state: ShardOptimizerState, grad: np.ndarray, read_block=None,
 ) -> None:
-    """Apply one gradient to `values` in place. A writable `grad` is clobbered (used as
-    scratch); a read-only one (a view of a received message) is copied a block at a time.
+    """Apply one gradient to `values` in place. A writable `grad` may be clobbered (used as
+    scratch); a read-only one (a view of a received message) is copied a block at a time
+    where the step needs scratch (every optimizer but SGD, and any with weight decay).
     `read_block(block)`, if given, returns the contents of each block of `grad` to use (a
     private copy, read from a file instead of a mapping: ps_common.shm.BlockReader)."""
     state.steps += 1
@@ -129,7 +130,7 @@ def apply_update(
             gb = read_block(gb)
         if widen:  # block-sized float32 copies, written back below
             wb, gb = wb.astype(dtype), gb.astype(dtype)
-        elif not gb.flags.writeable:
+        elif not gb.flags.writeable and (wd or kind in _WRITES_GRADIENT):
             if grad_block is None:
                 grad_block = np.empty(min(BLOCK_ELEMENTS, w.size), dtype=dtype)
             np.copyto(grad_block[:stop - start], gb)
@@ -140,6 +141,12 @@ def apply_update(
         step(wb, gb, sb, {k: v[start:stop] for k, v in slots.items()}, constants)
         if widen:
             w[start:stop] = wb
+
+
+# The steps that use the gradient's block as scratch: a read-only one (a view of a received
+# message or of a client's push slot) is copied first. SGD reads it once, into its own
+# scratch, and spares the copy.
+_WRITES_GRADIENT = frozenset({"momentum", "adagrad", "adam"})
 
 
 def _constants(kind: str, knobs: dict[str, float], t: int) -> dict[str, float]:
@@ -153,8 +160,8 @@ def _constants(kind: str, knobs: dict[str, float], t: int) -> dict[str, float]:
 
 
 def _sgd(w, g, scratch, slots, k):
-    g *= k["lr"]
-    w -= g
+    np.multiply(g, k["lr"], out=scratch)
+    w -= scratch
 
 
 def _momentum(w, g, scratch, slots, k):

@@ -42,6 +42,9 @@ class PushHeader:
     step: int | None = None
     # The client refuses non-finite gradients, whatever the server accepts.
     refuse_non_finite: bool = False
+    # A push through shared memory: the client checked the slot it wrote for non-finite
+    # values (receive_shared then does not read it for that).
+    finite_checked: bool = False
 
 
 class PushReceiver:
@@ -101,7 +104,12 @@ class PushReceiver:
         client's push slot in shared memory): read in place, no copy. `reader` (a
         ps_common.shm.BlockReader of a large slot) reads each block from the slot's file
         instead, so that the slot does not become resident in this process; it is finished
-        however the push ends."""
+        however the push ends.
+
+        The slot lies in memory that the client's user can write, as it can every segment
+        of this server: the client's check of it (`finite_checked`) stands for the server's,
+        which would read the slot once more. Where a finite value of the wire dtype may
+        overflow the stored one, the server checks anyway."""
         try:
             _check_identity(header)
             if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
@@ -116,7 +124,11 @@ class PushReceiver:
             for meta in header.metas:
                 grads.append(raw_gradient(data[offset:offset + meta.nbytes], meta))
                 offset += meta.nbytes
-            return self._apply(header, targets, grads, reader)
+            finite = frozenset(
+                i for i, (meta, held) in enumerate(zip(header.metas, targets))
+                if finite_in_both(meta.dtype, held.spec.dtype)) if header.finite_checked \
+                else frozenset()
+            return self._apply(header, targets, grads, reader, finite)
         finally:
             if reader is not None:
                 reader.finish()

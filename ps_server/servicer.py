@@ -434,7 +434,7 @@ def _push_header(h: pb.PushHeader) -> PushHeader:
                for i, t in enumerate(h.tensors)],
         row_ids=row_ids_of(h.shards),
         step=h.step if h.HasField("step") else None,
-        refuse_non_finite=h.refuse_non_finite)
+        refuse_non_finite=h.refuse_non_finite, finite_checked=h.finite_checked)
 
 
 def row_ids_of(refs) -> list[np.ndarray | None] | None:

@@ -1485,13 +1485,26 @@ class PSClient:
         if slot is None:
             return None
         stub = self._stub(address)
-        slot.write([p.grad for p in pieces])
+        # Checked in the slot as it is written (the cheapest place: the bytes are still in
+        # cache, and they are exactly what the server will apply), so the server need not
+        # read the slot once more for it (PushHeader.finite_checked).
+        checked = not self._allow_non_finite
+        bad = slot.write([p.grad for p in pieces], check_finite=checked)
+        if bad is not None:
+            connection.release(slot)  # nothing was sent
+            piece = pieces[bad]
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"variable {piece.shard.variable!r}: gradient has non-finite "
+                               f"values (NaN or Inf) in wire dtype {piece.wire_dtype}; nothing "
+                               "was applied")
 
         unanswered = [False]
 
         def attempt():
             attempts[0] += 1
-            request = connection.push_request(slot, header())
+            shared_header = header()
+            shared_header.finite_checked = checked
+            request = connection.push_request(slot, shared_header)
             try:
                 reply = connection.push(request, self._timeout_s)
                 if reply is None:

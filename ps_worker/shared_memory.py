@@ -26,6 +26,7 @@ from ps_common import shm
 from ps_common.framing import read_frame, write_frame
 from ps_common.shardmap import Shard
 from ps_common.status import RemoteError
+from ps_common.tensors import FINITE_BLOCK_ELEMENTS, all_finite
 from ps_proto.v1 import parameter_server_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -55,12 +56,23 @@ class PushSlot:
         self.segment = segment
         self.nbytes = segment.nbytes
 
-    def write(self, tensors: list[np.ndarray]) -> None:
+    def write(self, tensors: list[np.ndarray], *, check_finite: bool = False) -> int | None:
+        """Write `tensors` (C-contiguous, each in its wire dtype's raw element type) back to
+        back. With `check_finite`: check each block as it is written, in the slot, while it
+        is still in cache, and return the position of the first tensor with a NaN or Inf
+        (the rest is not written); None when every one is finite."""
         offset = 0
-        for tensor in tensors:
-            raw = tensor.reshape(-1).view(np.uint8)
-            np.copyto(np.frombuffer(self.segment.data, np.uint8, raw.size, offset), raw)
-            offset += raw.size
+        for position, tensor in enumerate(tensors):
+            flat = tensor.reshape(-1)
+            written = np.frombuffer(self.segment.data, flat.dtype, flat.size, offset)
+            step = FINITE_BLOCK_ELEMENTS if check_finite else max(1, flat.size)
+            for start in range(0, flat.size, step):
+                block = written[start:start + step]
+                np.copyto(block, flat[start:start + step])
+                if check_finite and not all_finite(block):
+                    return position
+            offset += flat.nbytes
+        return None
 
 
 class SharedConnection:

@@ -222,6 +222,7 @@ class PushHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     REFUSE_NON_FINITE_FIELD_NUMBER: _builtins.int
+    FINITE_CHECKED_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     """(client_id, incarnation, sequence) identifies the push: the server applies each at
     most once, so clients retry freely. Sequences count per (client, server) from 1.
@@ -243,6 +244,12 @@ class PushHeader(_message.Message):
     even when it was started with --allow-non-finite. A client leaves the check of a push
     whose parts all go to one server to that server, which refuses the push whole.
     """
+    finite_checked: _builtins.bool
+    """A push through shared memory (PushShared) only: the client checked every gradient for
+    NaN and Inf in the slot it wrote, after writing it, and found none. The server does not
+    read the slot for that check again (it still checks where its stored dtype is narrower
+    than a finite value of the wire dtype). Ignored on pushes over gRPC.
+    """
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]: ...
     @_builtins.property
@@ -259,10 +266,11 @@ class PushHeader(_message.Message):
         tensors: _abc.Iterable[_tensor_pb2.TensorMeta] | None = ...,
         step: _builtins.int | None = ...,
         refuse_non_finite: _builtins.bool = ...,
+        finite_checked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "acked_through", b"acked_through", "client_id", b"client_id", "epoch", b"epoch", "incarnation", b"incarnation", "refuse_non_finite", b"refuse_non_finite", "sequence", b"sequence", "shards", b"shards", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "acked_through", b"acked_through", "client_id", b"client_id", "epoch", b"epoch", "finite_checked", b"finite_checked", "incarnation", b"incarnation", "refuse_non_finite", b"refuse_non_finite", "sequence", b"sequence", "shards", b"shards", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
     _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015

@@ -593,10 +593,11 @@ def test_server_side_non_finite_check_refuses_its_whole_part(populated):
     assert_same_values(before, pull_all(ps))
 
 
-def test_a_push_to_one_server_is_checked_there_and_refused_whole(make_cluster):
+def test_a_push_to_one_server_is_checked_there_and_refused_whole(make_cluster, data_path):
     """A push whose parts all go to one server leaves its NaN check to that server (once
     the server has said it honours the ask), which refuses all of it; a push over two
-    servers is checked by the client before it goes."""
+    servers is checked by the client before it goes. Through shared memory the client
+    checks the slot it writes, and sends nothing."""
     cluster = make_cluster(servers=2, split_threshold_bytes=100)
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("x", shape=(6,), optimizer=SGD1)
@@ -611,7 +612,8 @@ def test_a_push_to_one_server_is_checked_there_and_refused_whole(make_cluster):
         before = pull_all(ps)
         grads["y"][1, 2] = np.nan
         err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, ps.push, grads)
-        assert err.target == shard_map.shards["y"][0].server_id
+        assert err.target == ("client" if data_path == "shm"
+                              else shard_map.shards["y"][0].server_id)
         assert "'y'" in err.details() and "nothing was applied" in err.details()
         assert_same_values(before, pull_all(ps))
         split = np.ones((10, 4), np.float32)
@@ -622,7 +624,7 @@ def test_a_push_to_one_server_is_checked_there_and_refused_whole(make_cluster):
 
 
 def test_a_server_that_accepts_non_finite_refuses_them_for_a_client_that_does_not(
-        make_cluster):
+        make_cluster, data_path):
     cluster = make_cluster(servers=1, allow_non_finite=True)
     g = np.ones((3, 4), np.float32)
     g[2, 3] = np.nan
@@ -630,7 +632,10 @@ def test_a_server_that_accepts_non_finite_refuses_them_for_a_client_that_does_no
         strict.declare("w", shape=(3, 4), optimizer=SGD1)
         strict.push({"w": np.zeros((3, 4), np.float32)})
         err = expect_error(grpc.StatusCode.INVALID_ARGUMENT, strict.push, {"w": g})
-        assert err.target != "client" and "PSClient(allow_non_finite=True)" in err.details()
+        if data_path == "shm":  # checked in the slot, never sent
+            assert err.target == "client" and "nothing was applied" in err.details()
+        else:
+            assert "PSClient(allow_non_finite=True)" in err.details()
         np.testing.assert_array_equal(strict.pull("w"), np.zeros((3, 4), np.float32))
     with PSClient(cluster.coordinator_address, allow_non_finite=True) as lax:
         lax.push({"w": g})
@@ -797,6 +802,24 @@ def test_raw_push_is_applied_and_deduplicated(raw):
     expected = before.copy()
     expected[:rows] -= 2.0
     np.testing.assert_array_equal(ps.pull("w"), expected)
+
+
+def test_a_raw_push_saying_it_was_checked_is_still_checked_over_grpc(raw):
+    """finite_checked stands only for a check of a shared-memory slot: a push over gRPC
+    that carries it is checked by the server like any other."""
+    ps, stub_for = raw
+    stub, epoch = stub_for("w", 0)
+    rows = shard_rows(ps, "w", 0)
+    grad = np.ones((rows, 10), np.float32)
+    grad[-1, -1] = np.nan
+    h = header(epoch, [("w", 0, F32, (rows, 10))])
+    h.finite_checked = True
+    before = ps.pull("w")
+    with pytest.raises(grpc.RpcError) as refused:
+        push_raw(stub, [ps_pb.PushChunk(header=h, data=grad.tobytes())])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "non-finite" in refused.value.details()
+    assert_same_values({"w": before}, {"w": ps.pull("w")})
 
 
 def bad_push_chunks(case: str, ps: PSClient, epoch: int) -> list[ps_pb.PushChunk]:

@@ -217,6 +217,37 @@ def test_a_large_push_slot_is_read_from_its_file_and_refused_whole_for_a_bad_val
                    for fd in os.listdir("/proc/self/fd")) == 2
 
 
+def test_a_client_that_checks_its_slot_spares_the_server_reading_it_for_the_check(
+        make_cluster, monkeypatch):
+    """PSClient checks a slot for NaN and Inf as it writes it (PushHeader.finite_checked):
+    the server reads a large slot once, for the update; a NaN is refused by the client,
+    which sends nothing, and nothing is applied."""
+    read = []
+    original = shm.BlockReader.__call__
+
+    def counting(self, block):
+        read.append(block.nbytes)
+        return original(self, block)
+
+    monkeypatch.setattr(shm.BlockReader, "__call__", counting)
+    cluster = make_cluster(servers=1)
+    n = server_shm.READ_SLOTS_FROM_FILE_BYTES // 4 + 3
+    with PSClient(cluster.coordinator_address) as strict:
+        strict.declare("big", shape=(n,), init="zeros", optimizer=SGD1)
+        grad = np.ones(n, np.float32)
+        strict.push({"big": grad})
+        assert sum(read) == n * 4  # the update alone
+        read.clear()
+        grad[-1] = np.inf  # in the last block the client checks
+        with pytest.raises(RemoteError) as refused:
+            strict.push({"big": grad})
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.target == "client" and "non-finite" in str(refused.value)
+        assert read == []
+        np.testing.assert_array_equal(strict.pull("big"), -np.ones(n, np.float32))
+        assert strict.data_paths == {s.address: "shm" for s in cluster.servers}
+
+
 def test_segments_are_owner_only_and_removed_when_the_cluster_stops(stub_of):
     before = own_segments()
     with InProcessCluster(servers=2) as cluster:

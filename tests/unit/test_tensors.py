@@ -444,6 +444,27 @@ def test_all_finite_takes_huge_finite_values_whose_sum_overflows():
     assert all_finite(values)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_all_finite_finds_a_bad_element_at_every_position_of_short_blocks(dtype):
+    """Every lane and tail position of the vectorized one-pass check."""
+    for size in (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129):
+        for where in range(size):
+            for bad in (np.nan, np.inf, -np.inf):
+                values = np.full(size, -2.5, dtype)
+                values[where] = bad
+                assert not all_finite(values), (size, where, bad)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_all_finite_takes_finite_values_whose_squares_overflow(dtype):
+    values = np.full(1000, np.finfo(dtype).max / 3, dtype)
+    values[::2] *= -1
+    assert all_finite(values)
+    values[-1] = np.nan
+    assert not all_finite(values)
+
+
 def test_all_finite_checks_what_read_block_returns_for_each_block():
     asked = []
 
