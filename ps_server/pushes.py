@@ -42,9 +42,6 @@ class PushHeader:
     step: int | None = None
     # The client refuses non-finite gradients, whatever the server accepts.
     refuse_non_finite: bool = False
-    # A push through shared memory: the client checked the slot it wrote for non-finite
-    # values (receive_shared then does not read it for that).
-    finite_checked: bool = False
 
 
 class PushReceiver:
@@ -98,18 +95,20 @@ class PushReceiver:
                                   f"header announces {total}")
         return self.receive_shared(header, data)
 
-    def receive_shared(self, header: PushHeader, data: memoryview,
-                       reader=None) -> PushOutcome:
+    def receive_shared(self, header: PushHeader, data: memoryview, reader=None, *,
+                       checked_in_slot: bool = False) -> PushOutcome:
         """The same for a push whose tensors lie back to back at the start of `data` (a
         client's push slot in shared memory): read in place, no copy. `reader` (a
         ps_common.shm.BlockReader of a large slot) reads each block from the slot's file
         instead, so that the slot does not become resident in this process; it is finished
         however the push ends.
 
-        The slot lies in memory that the client's user can write, as it can every segment
-        of this server: the client's check of it (`finite_checked`) stands for the server's,
-        which would read the slot once more. Where a finite value of the wire dtype may
-        overflow the stored one, the server checks anyway."""
+        `checked_in_slot`: the client checked the slot for non-finite values after writing
+        it (PushHeader.finite_checked, taken from PushShared alone: a push over gRPC is
+        always checked here). The slot lies in memory that the client's user can write, as
+        it can every segment of this server, so that check stands for the server's, which
+        would read the slot once more. Where a finite value of the wire dtype may overflow
+        the stored one, the server checks anyway."""
         try:
             _check_identity(header)
             if self._ledger.applied(header.client_id, header.incarnation, header.sequence):
@@ -126,7 +125,7 @@ class PushReceiver:
                 offset += meta.nbytes
             finite = frozenset(
                 i for i, (meta, held) in enumerate(zip(header.metas, targets))
-                if finite_in_both(meta.dtype, held.spec.dtype)) if header.finite_checked \
+                if finite_in_both(meta.dtype, held.spec.dtype)) if checked_in_slot \
                 else frozenset()
             return self._apply(header, targets, grads, reader, finite)
         finally:

@@ -245,8 +245,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         segment = self._shared.slot(connection, request.slot)
         if segment is None:
             return pb.PushSharedReply(connection_lost=True)
-        outcome = self._pushes.receive_shared(_push_header(request.header), segment.data,
-                                              self._shared.reader(segment))
+        outcome = self._pushes.receive_shared(
+            _push_header(request.header), segment.data, self._shared.reader(segment),
+            checked_in_slot=request.header.finite_checked)
         return pb.PushSharedReply(reply=_push_reply(outcome))
 
     # ---- consistency modes (ps_server.consistency) ---------------------------------------
@@ -434,7 +435,7 @@ def _push_header(h: pb.PushHeader) -> PushHeader:
                for i, t in enumerate(h.tensors)],
         row_ids=row_ids_of(h.shards),
         step=h.step if h.HasField("step") else None,
-        refuse_non_finite=h.refuse_non_finite, finite_checked=h.finite_checked)
+        refuse_non_finite=h.refuse_non_finite)
 
 
 def row_ids_of(refs) -> list[np.ndarray | None] | None:

@@ -155,11 +155,13 @@ class Worker:
 
 @dataclass
 class _OpenEpoch:
-    """An epoch that is not over yet: its training tasks done, and its evaluation's task id
-    once that is handed out."""
+    """An epoch that is not over yet: its training tasks done, its evaluation's task id once
+    that is handed out, and whether the evaluation is done (the epoch is then over once the
+    one before it is)."""
 
     train_done: int = 0
     evaluation: int | None = None
+    evaluated: bool = False
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,7 @@ class JobRunner:
             self._summaries[index] = EpochSummary(summary.epoch, summary.train + metrics,
                                                   summary.test)
         else:
+            self._open[task.epoch].evaluated = True
             self._summaries[index] = EpochSummary(summary.epoch, summary.train, metrics)
 
     def _advance(self) -> None:
@@ -372,13 +375,13 @@ class JobRunner:
             progress = self._open[epoch]
             if progress.train_done < per_epoch:
                 break  # an evaluation waits for every training step up to its epoch
-            if self.job.evaluates(epoch) and progress.evaluation is None:
+            if self.job.evaluates(epoch) and progress.evaluation is None \
+                    and not progress.evaluated:
                 progress.evaluation = self._add_task("evaluate", epoch, 0)
         for epoch in sorted(self._open):
             progress = self._open[epoch]
             if progress.train_done < per_epoch or (
-                    progress.evaluation is not None
-                    and self._tasks[progress.evaluation].state is not TaskState.DONE):
+                    self.job.evaluates(epoch) and not progress.evaluated):
                 break
             del self._open[epoch]
             self._tasks = {i: t for i, t in self._tasks.items()
@@ -647,6 +650,9 @@ class JobRunner:
                 if data_path:
                     worker.data_path = data_path
                 self._note_steps(worker, steps)
+            if task.state is TaskState.PENDING and task.kind == "train" \
+                    and task.epoch == self._epoch:
+                self._unleased -= 1  # reported by its holder from before a restart
             task.state, task.holder, task.metrics = TaskState.DONE, None, metrics
             self._record(task, metrics)
             self._advance()
@@ -774,7 +780,8 @@ class JobRunner:
         progress = self._open.get(self._epoch)
         if progress is None:  # over
             return {"epoch_tasks": total, "epoch_tasks_done": total}
-        return {"epoch_tasks": total, "epoch_tasks_done": progress.train_done}
+        return {"epoch_tasks": total,
+                "epoch_tasks_done": progress.train_done + progress.evaluated}
 
     def live_workers(self) -> int:
         with self._locked():
@@ -838,7 +845,7 @@ class JobRunner:
                 "epoch": self._epoch,
                 "issued": self._issued,
                 "open_epochs": [{"epoch": epoch, "train_done": p.train_done,
-                                 "evaluation": p.evaluation}
+                                 "evaluation": p.evaluation, "evaluated": p.evaluated}
                                 for epoch, p in sorted(self._open.items())],
                 "epoch_released": self._epoch_released,
                 "tasks_done": self._tasks_done,
@@ -901,12 +908,14 @@ class JobRunner:
             job_state, failure = JobState(state["state"]), state["failure"]
             counters = [state[k] for k in ("epoch", "issued", "tasks_done", "steps")]
             if "open_epochs" in state:
-                open_epochs = {o["epoch"]: _OpenEpoch(o["train_done"], o["evaluation"])
+                open_epochs = {o["epoch"]: _OpenEpoch(o["train_done"], o["evaluation"],
+                                                      bool(o["evaluated"]))
                                for o in state["open_epochs"]}
             else:
                 open_epochs = self._open_epochs_of_old_state(state, tasks, summaries)
             for progress in open_epochs.values():
-                if progress.evaluation is not None and progress.evaluation not in tasks:
+                if progress.evaluation is not None and not progress.evaluated \
+                        and progress.evaluation not in tasks:
                     raise ValueError(f"evaluation task {progress.evaluation} is not held")
             elapsed, finished = float(state["elapsed_s"]), bool(state["finished"])
             # Saved before evaluations ran beside the next epoch: the epoch waited for them.
@@ -971,14 +980,15 @@ class JobRunner:
     def _open_epochs_of_old_state(self, state: dict, tasks: dict[int, Task],
                                   summaries: list[EpochSummary]) -> dict[int, _OpenEpoch]:
         """The epochs not over in a state saved before epochs could run behind one another
-        not evaluated: the current one unless evaluated, and any epoch whose evaluation
-        still runs (its training was all done)."""
-        open_epochs = {t.epoch: _OpenEpoch(self.job.tasks_per_epoch, t.task_id)
-                       for t in tasks.values()
-                       if t.kind == "evaluate" and t.state is not TaskState.DONE}
-        epoch = state["epoch"]
-        if 1 <= epoch <= len(summaries) and summaries[epoch - 1].test is None:
-            evaluation = next((t.task_id for t in tasks.values()
-                               if t.kind == "evaluate" and t.epoch == epoch), None)
-            open_epochs[epoch] = _OpenEpoch(int(state["train_done"]), evaluation)
-        return open_epochs
+        (every epoch evaluated): those from the first epoch not evaluated yet on, each
+        evaluated epoch among them done but held back behind it. The current epoch's
+        training tasks done were a count of their own; an earlier one's were all done."""
+        first = next((s.epoch for s in summaries if s.test is None), None)
+        if first is None:
+            return {}
+        evaluations = {t.epoch: t.task_id for t in tasks.values() if t.kind == "evaluate"}
+        current = state["epoch"]
+        return {epoch: _OpenEpoch(
+                    int(state["train_done"]) if epoch == current else self.job.tasks_per_epoch,
+                    evaluations.get(epoch), summaries[epoch - 1].test is not None)
+                for epoch in range(first, current + 1)}

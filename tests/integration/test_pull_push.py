@@ -804,9 +804,10 @@ def test_raw_push_is_applied_and_deduplicated(raw):
     np.testing.assert_array_equal(ps.pull("w"), expected)
 
 
-def test_a_raw_push_saying_it_was_checked_is_still_checked_over_grpc(raw):
+@pytest.mark.parametrize("call", ["Push", "PushUnary"])  # (PushThenPull: as PushUnary)
+def test_a_raw_push_saying_it_was_checked_is_still_checked_over_grpc(raw, call):
     """finite_checked stands only for a check of a shared-memory slot: a push over gRPC
-    that carries it is checked by the server like any other."""
+    that carries it, streamed or in one message, is checked by the server like any other."""
     ps, stub_for = raw
     stub, epoch = stub_for("w", 0)
     rows = shard_rows(ps, "w", 0)
@@ -816,7 +817,10 @@ def test_a_raw_push_saying_it_was_checked_is_still_checked_over_grpc(raw):
     h.finite_checked = True
     before = ps.pull("w")
     with pytest.raises(grpc.RpcError) as refused:
-        push_raw(stub, [ps_pb.PushChunk(header=h, data=grad.tobytes())])
+        if call == "Push":
+            push_raw(stub, [ps_pb.PushChunk(header=h, data=grad.tobytes())])
+        else:
+            stub.PushUnary(ps_pb.PushChunk(header=h, data=grad.tobytes()), timeout=10)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "non-finite" in refused.value.details()
     assert_same_values({"w": before}, {"w": ps.pull("w")})

@@ -560,9 +560,9 @@ def test_a_push_that_timed_out_is_never_applied_with_the_next_push_s_gradient(
     finished: dict[int, threading.Event] = {}
     receive_shared = PushReceiver.receive_shared
 
-    def observed(self, header, data, release=None):
+    def observed(self, header, data, release=None, **kwargs):
         try:
-            return receive_shared(self, header, data, release)
+            return receive_shared(self, header, data, release, **kwargs)
         finally:
             finished.setdefault(header.sequence, threading.Event()).set()
 

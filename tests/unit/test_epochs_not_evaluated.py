@@ -173,7 +173,8 @@ def test_a_state_saved_before_epochs_ran_behind_one_another_still_restores():
     held = job.lease("w0")
     state = job.runner.export_state()
     # The form of a state saved by a coordinator that held only a count for the epoch.
-    assert state.pop("open_epochs") == [{"epoch": 1, "train_done": 1, "evaluation": None}]
+    assert state.pop("open_epochs") == [
+        {"epoch": 1, "train_done": 1, "evaluation": None, "evaluated": False}]
     state["train_done"] = 1
     new = Job.__new__(Job)
     new.clock, new.over, new.spec, new.w = job.clock, [], job.spec, dict(job.w)
@@ -193,3 +194,36 @@ def test_which_epochs_a_job_evaluates(every, evaluated):
     spec = JobSpec(epochs=5, evaluate_every=every)
     assert [e for e in range(1, 6) if spec.evaluates(e)] == evaluated
     assert spec.evaluations() == len(evaluated)
+
+
+def test_a_state_saved_with_an_evaluated_epoch_held_back_reports_it_after_the_restart():
+    """In the older form a state held no open epochs: an epoch evaluated while the
+    evaluation before it still ran is rebuilt as over but for that one, and reported, with
+    its own steps, once it is."""
+    job = Job(epochs=3, tasks_per_epoch=1, evaluate_every=1)
+    job.complete("w0", job.lease("w0"))
+    first = job.lease("w1")
+    assert job.runner.parameters_read("w1", job.w["w1"], first.task_id) is True
+    job.complete("w0", job.lease("w0"))  # epoch 2's only task
+    second = job.lease("w0")
+    job.complete("w0", second)  # held back behind epoch 1's evaluation
+    state = job.runner.export_state()
+    del state["open_epochs"]
+    state["train_done"] = 1
+    new = Job.__new__(Job)
+    new.clock, new.over, new.spec, new.w = job.clock, [], job.spec, dict(job.w)
+    new.runner = new._runner()
+    new.runner.restore_state(state)
+    assert new.runner.snapshot()["over_through"] == 0
+    new.complete("w1", first)
+    assert new.over == [(1, True, TRAIN.steps), (2, True, 2 * TRAIN.steps)]
+    assert new.lease("w0").epoch == 3
+
+
+def test_a_task_its_holder_from_before_a_restart_reports_counts_as_handed_out():
+    job = Job(epochs=3)
+    held = job.lease("w0")
+    new = job.restored()
+    new.complete("w0", held)  # pending again after the restart, reported by its old holder
+    assert new.lease("w1").epoch == 1  # epoch 1's last task: every one is handed out now
+    assert new.lease("w2").epoch == 2
