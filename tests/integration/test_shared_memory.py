@@ -173,14 +173,10 @@ def test_pulls_make_no_call_pushes_go_as_push_shared_and_values_equal_grpc(make_
         assert calls(cluster, "Pull") > 0  # the gRPC client did pull over the wire
 
 
-def test_a_large_push_slot_is_read_from_its_file_and_refused_whole_for_a_bad_value(
-        make_cluster, monkeypatch):
-    """A slot of READ_SLOTS_FROM_FILE_BYTES or more is read by the server with pread
-    (ps_common.shm.BlockReader), by the check and by the update: a NaN in its last block,
-    from a client that does not check (allow_non_finite), is refused by the server with
-    nothing applied; a good push after it is applied exactly, and every file the reads
-    opened is closed again."""
-    read = []
+@pytest.fixture
+def block_reads(monkeypatch) -> list[int]:
+    """The bytes of each block the server reads from a slot's file (BlockReader), in order."""
+    read: list[int] = []
     original = shm.BlockReader.__call__
 
     def counting(self, block):
@@ -188,6 +184,17 @@ def test_a_large_push_slot_is_read_from_its_file_and_refused_whole_for_a_bad_val
         return original(self, block)
 
     monkeypatch.setattr(shm.BlockReader, "__call__", counting)
+    return read
+
+
+def test_a_large_push_slot_is_read_from_its_file_and_refused_whole_for_a_bad_value(
+        make_cluster, block_reads):
+    """A slot of READ_SLOTS_FROM_FILE_BYTES or more is read by the server with pread
+    (ps_common.shm.BlockReader), by the check and by the update: a NaN in its last block,
+    from a client that does not check (allow_non_finite), is refused by the server with
+    nothing applied; a good push after it is applied exactly, and every file the reads
+    opened is closed again."""
+    read = block_reads
     cluster = make_cluster(servers=1)
     n = server_shm.READ_SLOTS_FROM_FILE_BYTES // 4 + 3  # a few bytes past the bound
     with PSClient(cluster.coordinator_address, allow_non_finite=True) as lax:
@@ -218,18 +225,11 @@ def test_a_large_push_slot_is_read_from_its_file_and_refused_whole_for_a_bad_val
 
 
 def test_a_client_that_checks_its_slot_spares_the_server_reading_it_for_the_check(
-        make_cluster, monkeypatch):
+        make_cluster, block_reads):
     """PSClient checks a slot for NaN and Inf as it writes it (PushHeader.finite_checked):
     the server reads a large slot once, for the update; a NaN is refused by the client,
     which sends nothing, and nothing is applied."""
-    read = []
-    original = shm.BlockReader.__call__
-
-    def counting(self, block):
-        read.append(block.nbytes)
-        return original(self, block)
-
-    monkeypatch.setattr(shm.BlockReader, "__call__", counting)
+    read = block_reads
     cluster = make_cluster(servers=1)
     n = server_shm.READ_SLOTS_FROM_FILE_BYTES // 4 + 3
     with PSClient(cluster.coordinator_address) as strict:
