@@ -4,8 +4,10 @@ running a daemon until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import decimal
 import logging
+import os
 import re
 import signal
 import sys
@@ -163,6 +165,36 @@ def add_server_loss_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when a server comes back without the shards it held, re-create "
                         "them from their initializers and go on (default: the job fails: "
                         "DATA_LOSS)")
+
+
+# Set by ps-cluster in its children's environment: its pid (see `die_with_parent`).
+DIE_WITH_ENV = "PARAMSERVE_DIE_WITH"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """In a child of ps-cluster (DIE_WITH_ENV names its pid): have Linux send this process
+    SIGTERM when ps-cluster dies, even by SIGKILL (PR_SET_PDEATHSIG), so that no child
+    outlives it; each then stops gracefully, bounded by its own --grace. If ps-cluster is
+    gone already, exit at once: nobody would signal this process.
+
+    The child sets it itself, first thing, rather than ps-cluster in a `preexec_fn`
+    between fork and exec: a `preexec_fn` makes Python fork() instead of vfork(), and a
+    fork while gRPC's threads run in ps-cluster (its status client's) may crash the child
+    before it execs (gRPC restarts its poller in the child, on an epoll descriptor that
+    closing the inherited descriptors then closes). The variable is removed from the
+    environment, so that processes this one starts do not take ps-cluster for their parent.
+    Elsewhere than Linux there is no such signal: children may be orphaned."""
+    parent = os.environ.pop(DIE_WITH_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if str(os.getppid()) != parent:  # gone before the line above: no signal will come
+        sys.exit(f"{DIE_WITH_ENV}: ps-cluster (pid {parent}) is gone; not starting")
 
 
 def setup_logging(level: str) -> None:

@@ -11,7 +11,7 @@ from typing import Mapping
 from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_metrics_argument, add_shared_memory_argument, bind_of, fail,
-    parse_address, parse_bytes, run_until_signal, setup_logging, tf_config_task,
+    die_with_parent, parse_address, parse_bytes, run_until_signal, setup_logging, tf_config_task,
 )
 from ps_common.malloc import tune_malloc
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES
@@ -119,6 +119,7 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def server_main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    die_with_parent()
     setup_logging(args.log_level)
     config, task = config_and_task(parser, args)
     tune_malloc(one_arena=True)

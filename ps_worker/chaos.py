@@ -160,7 +160,7 @@ class ChaosMonkey:
     """Kills `targets` in order, one at a time, each once the previous one has recovered.
 
     Not thread-safe: `observe` is called from ps-cluster's monitor loop, on the main thread
-    (children must be started from it: see cluster._die_with_this_process). Kill and restart
+    (children must be started from it: see cluster.Child). Kill and restart
     happen within one `observe` call, so the monitor never sees a killed child as exited.
     `observe` raises ChaosError when a recovery takes longer than `recovery_timeout_s`, and
     when, after the first kill, the job goes that long without completing a task: a cluster

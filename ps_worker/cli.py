@@ -15,7 +15,7 @@ from typing import Mapping
 
 from ps_common.cli import (
     add_metrics_argument, add_shared_memory_argument, add_tls_arguments, add_token_argument,
-    parse_address, setup_logging, tf_config_task, tls_of, token_of,
+    die_with_parent, parse_address, setup_logging, tf_config_task, tls_of, token_of,
 )
 from ps_common.job import JobError
 from ps_common.malloc import tune_malloc
@@ -85,6 +85,7 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def worker_main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    die_with_parent()
     setup_logging(args.log_level)
     config = config_from_args(parser, args)
     tune_malloc()

@@ -9,7 +9,6 @@ status over gRPC: it imports none of the daemons' internals.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import os
@@ -25,8 +24,8 @@ from pathlib import Path
 import yaml
 
 from ps_common.cli import (
-    add_server_loss_arguments, add_shared_memory_argument, add_tls_arguments, add_token_argument,
-    parse_port, tls_of, token_of,
+    DIE_WITH_ENV, add_server_loss_arguments, add_shared_memory_argument, add_tls_arguments,
+    add_token_argument, parse_port, tls_of, token_of,
 )
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.progress import epoch_line
@@ -71,38 +70,6 @@ def daemon_environment() -> dict[str, str]:
     return {**os.environ, **{k: os.environ.get(k, "1") for k in BLAS_THREAD_VARIABLES}}
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_this_process():
-    """A `preexec_fn` for Linux that gives the child SIGTERM when ps-cluster dies, even by
-    SIGKILL (PR_SET_PDEATHSIG), so that no child outlives it: each then stops gracefully,
-    bounded by its own --grace. None elsewhere (no such signal: children may be orphaned).
-
-    The signal comes when the *thread* that forked the child ends, not the process: children
-    are started from ps-cluster's main thread (`main`), which ends only with the process.
-    It runs in the child between fork and exec, so it only calls a C function looked up here
-    beforehand and os.getppid/os._exit: no lock that another thread of ps-cluster could have
-    held at the fork. (The first children start before the status client's threads; children
-    restarted by --chaos start while they run, which is why nothing more may go in here.)"""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent, sigterm = os.getpid(), int(signal.SIGTERM)
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
-        # ps-cluster may have died before the line above: then nobody would signal this
-        # child (its parent is now init or a subreaper), so it must not start at all.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
-
-
 class SignalFlag:
     """A flag that a signal handler sets. Not a threading.Event: a Python handler runs on
     the main thread between two bytecodes, possibly inside Event.wait's locked section or
@@ -125,7 +92,8 @@ class SignalFlag:
 
 class Child:
     """One child process with its output in `log_dir/name.log`. Start (and restart) it from
-    the main thread (see `_die_with_this_process`).
+    the main thread: the child asks Linux for SIGTERM when the thread that started it ends
+    (ps_common.cli.die_with_parent), and the main thread ends only with ps-cluster.
 
     `restart()` starts it again as a supervisor would (docker compose's `restart:
     on-failure`, a StatefulSet): the same command line and, for a daemon whose address was
@@ -145,9 +113,11 @@ class Child:
         suffix = f".restart-{self.restarts}" if self.restarts else ""
         self.log_path = self._log_dir / f"{self.name}{suffix}.log"
         self._log = open(self.log_path, "wb")
+        env = self._env if self._env is not None else os.environ
+        # No preexec_fn (see die_with_parent): Python then starts the child with vfork.
         self.process = subprocess.Popen(
             self._argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self._env, preexec_fn=_die_with_this_process(),
+            env={**env, DIE_WITH_ENV: str(os.getpid())},
             start_new_session=True)  # Ctrl-C reaches ps-cluster only; it stops children itself
 
     def wait_for_address(self, deadline: float) -> str:

@@ -14,8 +14,8 @@ from typing import Mapping
 from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_metrics_argument, add_server_loss_arguments,
-    add_shared_memory_argument, bind_of, fail, parse_bytes, run_until_signal, setup_logging,
-    tf_config_task,
+    add_shared_memory_argument, bind_of, die_with_parent, fail, parse_bytes, run_until_signal,
+    setup_logging, tf_config_task,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
 from ps_common.telemetry import MetricsBindError
@@ -129,6 +129,7 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    die_with_parent()
     setup_logging(args.log_level)
     config, task = config_and_task(parser, args)
     job = config.job

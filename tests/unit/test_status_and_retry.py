@@ -402,3 +402,33 @@ def test_a_signal_nested_in_the_handler_of_another_does_not_deadlock(monkeypatch
     assert run_until_signal(lambda: stopped.append(True), wait, lambda: None) == 0
     assert stopped == [True]
 
+
+
+# ---- a child of ps-cluster ------------------------------------------------------------------
+
+DIE_WITH_PROBE = """
+import ctypes, os, signal
+from ps_common.cli import DIE_WITH_ENV, die_with_parent
+die_with_parent()
+death = ctypes.c_int()
+ctypes.CDLL(None).prctl(2, ctypes.byref(death), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(death.value == signal.SIGTERM, DIE_WITH_ENV in os.environ)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_of_ps_cluster_asks_for_sigterm_when_it_dies_or_does_not_start():
+    import os
+    import subprocess
+
+    from ps_common.cli import DIE_WITH_ENV
+
+    def probe(parent: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", DIE_WITH_PROBE], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, DIE_WITH_ENV: str(parent)})
+
+    ours = probe(os.getpid())  # this process is the child's parent, as ps-cluster would be
+    assert (ours.returncode, ours.stdout.split()) == (0, ["True", "False"]), ours.stderr
+    orphan = probe(os.getpid() + 10_000_000)  # a parent that is gone (no such pid)
+    assert orphan.returncode == 1 and DIE_WITH_ENV in orphan.stderr
+    assert "not starting" in orphan.stderr
