@@ -79,11 +79,13 @@ class UnaryPulls:
         self._remembered: dict[bytes, RememberedPull] = {}
 
     def find(self, request: bytes | memoryview) -> RememberedPull | None:
-        """The pull remembered for these request bytes, if the placement is unchanged. (A
-        read-only memoryview hashes and compares as its bytes: PushThenPull's pull is one.)"""
+        """The pull remembered for these request bytes, if the placement is unchanged."""
         if len(request) > MAX_REQUEST_BYTES:
             return None
-        pull = self._remembered.get(request)
+        # A memoryview is looked up by a copy of its bytes: hashing a view hashes the whole
+        # object it views first (PushThenPull's pull is a view of a message that carries a
+        # push: over 1 MiB hashed per call, where the copy is a few dozen bytes).
+        pull = self._remembered.get(bytes(request))
         if pull is None or pull.version == self._store.placement_version:
             return pull
         self._remembered.pop(request, None)

@@ -58,6 +58,18 @@ def test_a_remembered_pull_is_found_by_its_bytes_and_answers_the_current_values(
     np.testing.assert_array_equal(values[ROWS * COLS:], 1.5)
 
 
+def test_a_view_is_found_by_its_own_bytes_without_hashing_the_message_it_views():
+    # PushThenPull's pull is a view of the message that also carries the push. Hashing a
+    # memoryview hashes the object it views first (a fresh message: every byte of it), and
+    # an unhashable object makes that raise: a view of a bytearray shows which is done.
+    store = store_holding()
+    pulls = UnaryPulls(store)
+    remembered = pulls.remember(REQUEST, store.placement_version, checked(store))
+    message = bytearray(b"a push's bytes, then " + REQUEST)
+    assert pulls.find(memoryview(message).toreadonly()[-len(REQUEST):]) is remembered
+    assert pulls.find(memoryview(message).toreadonly()[:len(REQUEST)]) is None
+
+
 def test_an_answer_is_the_message_the_general_path_builds():
     store = store_holding()
     reads = checked(store)
