@@ -1489,7 +1489,11 @@ class PSClient:
         # cache, and they are exactly what the server will apply), so the server need not
         # read the slot once more for it (PushHeader.finite_checked).
         checked = not self._allow_non_finite
-        bad = slot.write([p.grad for p in pieces], check_finite=checked)
+        try:
+            bad = slot.write([p.grad for p in pieces], check_finite=checked)
+        except BaseException:
+            connection.release(slot)  # nothing was sent: nobody reads it
+            raise
         if bad is not None:
             connection.release(slot)  # nothing was sent
             piece = pieces[bad]

@@ -862,6 +862,29 @@ def test_a_push_slot_is_never_reused_after_an_attempt_without_an_answer(make_clu
     np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.full(4, -4.0, np.float32))
 
 
+
+def test_a_push_slot_whose_write_fails_is_given_back_unsent(make_cluster, monkeypatch):
+    """An error while the gradient is written into the slot (here, injected) reaches the
+    caller with nothing sent, and the slot serves the next push."""
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.push({"w": np.ones(4, np.float32)})
+        slots, pushes = calls(cluster, "PushSharedSlot"), calls(cluster, "Push")
+        write = client_shm.PushSlot.write
+
+        def failing(slot, tensors, **kwargs):
+            monkeypatch.setattr(client_shm.PushSlot, "write", write)
+            raise MemoryError("injected")
+
+        monkeypatch.setattr(client_shm.PushSlot, "write", failing)
+        with pytest.raises(MemoryError, match="injected"):
+            ps.push({"w": np.ones(4, np.float32)})
+        assert calls(cluster, "Push") == pushes  # nothing went out
+        ps.push({"w": np.ones(4, np.float32)})
+        assert calls(cluster, "PushSharedSlot") == slots  # the same slot again
+    np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.full(4, -2.0, np.float32))
+
 def test_a_server_that_cannot_bind_its_port_leaves_no_segment():
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
