@@ -49,6 +49,7 @@ class Contribution:
     incarnation: int
     sequence: int
     acked_through: int
+    refuse_non_finite: bool = True  # its header's ask (PushHeader.refuse_non_finite)
 
 
 @dataclass
@@ -246,7 +247,8 @@ class StepGate:
                     if entry is None:
                         self._pending.sums[held.key] = [held, np.array(grad, copy=True), 1]
                     else:
-                        entry[1] += grad
+                        with np.errstate(over="ignore"):  # refused whole when applied
+                            entry[1] += grad
                         entry[2] += 1
             if copied is not None:
                 copied()

@@ -162,7 +162,7 @@ class PushReceiver:
             # this process before the wait for the other clients, not after it.
             return self.steps.contribute(
                 Contribution(header.client_id, header.incarnation, header.sequence,
-                             header.acked_through), header.step, targets, grads,
+                             header.acked_through, header.refuse_non_finite), header.step, targets, grads,
                 copied=getattr(read_block, "finish", None))
         # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
         # checkpoint with its ledger entry, or not at all.
@@ -192,6 +192,7 @@ class PushReceiver:
         # The ledger holds one lock per client: each client's first push is recorded with
         # the update, its others (pushes of the same step) right after; all of it under the
         # gate, so that no checkpoint cuts between the update and any of its records.
+        self._refuse_non_finite_average(contributions, targets, grads)
         ordered = sorted(contributions, key=lambda c: (c.client_id, c.sequence))
         first = {c.client_id: c for c in reversed(ordered)}
         with self._store.gate.shared():
@@ -205,6 +206,21 @@ class PushReceiver:
                     with self._ledger.exactly_once(c.client_id, c.incarnation, c.sequence,
                                                    c.acked_through):
                         pass
+
+    def _refuse_non_finite_average(self, contributions: list[Contribution], targets,
+                                   averages) -> None:
+        """Every gradient of the step was finite (each was checked as it came), but their
+        sum may have overflowed the variable's dtype: such a step is refused whole, as a
+        non-finite push is."""
+        if not self._store.refuses_non_finite(any(c.refuse_non_finite for c in contributions)):
+            return
+        for held, average in zip(targets, averages):
+            if average.size and not all_finite(average):
+                raise InvalidArgument(
+                    f"variable {held.spec.name!r} shard {held.shard.index}: the sum of this sync "
+                    f"step's {len(contributions)} gradients overflows {held.spec.dtype} "
+                    "(each was finite); nothing of the step was applied (lower the learning "
+                    "rate or clip the gradients)")
 
 
 class FiniteOnArrival:

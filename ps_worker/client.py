@@ -1385,7 +1385,15 @@ class PSClient:
         try:
             self._push_once(shard_map, server_id, pieces, sequence, first_send, step, pull)
         except RemoteError as error:
-            if step is None or error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            if step is None:
+                raise
+            if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                # A sync step may have failed whole (its sum overflowed, say) and the server
+                # moved on to the next: the next push asks it where the steps are, instead of
+                # carrying a step already over (dropped as late).
+                with self._lock:
+                    if self._mode is not None and self._mode.kind == SYNC:
+                        self._steps.pop(server_id, None)
                 raise
             with self._lock:
                 self._steps.pop(server_id, None)

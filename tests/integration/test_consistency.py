@@ -300,6 +300,28 @@ def test_sync_a_push_whose_answer_was_lost_is_applied_once(make_cluster, spawn):
 
 # ---- bad input -----------------------------------------------------------------------------
 
+
+def test_sync_a_step_whose_sum_overflows_is_refused_whole_and_the_next_goes_on(
+        make_cluster, spawn):
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as b:
+        a.declare("w", (4,), optimizer=sgd(1.0))
+        for ps in (a, b):
+            ps.join_steps("sync", replicas=2)
+        big = np.full(4, 3e38, np.float32)  # finite; two of them sum past float32's max
+        first = spawn(a.push, {"w": big})
+        second = spawn(b.push, {"w": big})
+        for call in (first, second):
+            with pytest.raises(RemoteError) as caught:
+                call.result()
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "overflows float32" in caught.value.details()
+        np.testing.assert_array_equal(a.pull("w"), np.zeros(4, np.float32))
+        together(spawn, lambda: a.push({"w": np.full(4, 1.0, np.float32)}),
+                 lambda: b.push({"w": np.full(4, 3.0, np.float32)}))
+        np.testing.assert_array_equal(a.pull("w"), np.full(4, -2.0, np.float32))
+
 def test_join_steps_refuses_a_bad_mode_before_asking_any_server(make_cluster):
     cluster = make_cluster(servers=1)
     with PSClient(cluster.coordinator_address) as ps:
