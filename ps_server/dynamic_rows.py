@@ -91,10 +91,21 @@ class DynamicRows:
                 f"share of the table's capacity ({self.capacity} rows): send fewer ids at once "
                 "or declare a larger capacity")
 
+    def reserve(self, ids: np.ndarray) -> None:
+        """Grow the pool now, if `locate(ids)` would need it to: the only step of `locate`
+        that may be refused (the memory budget). Changes no row: a push to several tables
+        reserves for every one before it locates any (ShardStore.apply)."""
+        rows = self.find(ids)
+        new = int(np.count_nonzero(rows == FREE))
+        if new:
+            self.check_request(len(ids), "dynamic table")
+            self._reserve_free(new - self._evictions_for(new, kept=len(ids) - new))
+
     def locate(self, ids: np.ndarray) -> np.ndarray:
         """The pool rows of `ids` (distinct), making the missing ones from the initializer
         (evicting the least recently used rows not in this request when the capacity is
-        reached) and marking all of them used now."""
+        reached) and marking all of them used now. The pool grows, if it must, before any
+        row is evicted: a refused growth leaves every row held as it was."""
         now = self._clock()
         self.expire(now)
         rows = self.find(ids)
@@ -102,15 +113,11 @@ class DynamicRows:
         if missing.any():
             self.check_request(len(ids), "dynamic table")
             new_ids = ids[missing]
-            if self.capacity:
-                over = len(self._index) + len(new_ids) - self.capacity
-                if over > 0:
-                    # A sweep reads the whole pool: when it runs, it frees a 64th of the
-                    # capacity (the least recently used rows still), so that a full table's
-                    # requests do not each pay for one.
-                    keep = rows[~missing]
-                    self._evict_lru(min(max(over, self.capacity // EVICTION_BATCH),
-                                        len(self._index) - len(keep)), keep=keep)
+            keep = rows[~missing]
+            evicting = self._evictions_for(len(new_ids), kept=len(keep))
+            self._reserve_free(len(new_ids) - evicting)
+            if evicting:
+                self._evict_lru(evicting, keep=keep)
             fresh = self._allocate(len(new_ids))
             self.values[fresh] = self._make_rows(new_ids)
             for name, array in self._make_slots(len(new_ids)).items():
@@ -123,6 +130,23 @@ class DynamicRows:
         self._last_tick[rows] = self._tick
         self._last_time[rows] = now
         return rows
+
+    def _evictions_for(self, new: int, kept: int) -> int:
+        """Rows to evict so that `new` rows fit the capacity beside the `kept` ones a request
+        also names. A sweep reads the whole pool: when one runs, it frees a 64th of the
+        capacity (the least recently used rows still), so that a full table's requests do
+        not each pay for one."""
+        if not self.capacity:
+            return 0
+        over = len(self._index) + new - self.capacity
+        if over <= 0:
+            return 0
+        return min(max(over, self.capacity // EVICTION_BATCH), len(self._index) - kept)
+
+    def _reserve_free(self, count: int) -> None:
+        """At least `count` free pool rows, growing the pool (admitted) if need be."""
+        if len(self._free) < count:
+            self._grow(len(self.values) + count - len(self._free))
 
     def expire(self, now: float | None = None) -> int:
         """Evict the rows untouched for ttl_s; returns how many. Sweeps at most every
@@ -157,8 +181,7 @@ class DynamicRows:
         self.evictions += len(rows)
 
     def _allocate(self, count: int) -> np.ndarray:
-        if len(self._free) < count:
-            self._grow(len(self.values) + count - len(self._free))
+        self._reserve_free(count)
         taken, self._free = self._free[-count:], self._free[:-count]
         return np.array(taken, np.int64)
 

@@ -74,10 +74,16 @@ class HeldShard:
         if ids.size and (ids.min() < 0 or ids.max() >= spec.rows):
             bad = ids[(ids < 0) | (ids >= spec.rows)][0]
             raise OutOfRange(f"table {spec.name!r}: id {bad} is outside its rows 0:{spec.rows}")
-        if ids.size and np.any(owners_of(spec, ids, shard.stride) != shard.index):
+        self.check_own_ids(ids)
+        return ids // shard.stride
+
+    def check_own_ids(self, ids: np.ndarray) -> None:
+        """Refuse `ids` unless every one is this table shard's (a fixed or dynamic table)."""
+        shard = self.shard
+        if ids.size and shard.stride > 1 and \
+                np.any(owners_of(self.spec, ids, shard.stride) != shard.index):
             raise InvalidArgument(f"{self.describe()}: some ids belong to other shards (the "
                                   "client's shard map is not this server's)")
-        return ids // shard.stride
 
     def sync_pool(self) -> None:
         """After the dynamic table's pool grew: point at its arrays."""
@@ -388,6 +394,7 @@ class ShardStore:
                 checked.append(CheckedRead(held, wire, ids, held.local_rows(ids)))
             else:
                 unique, inverse = dedup(ids)
+                held.check_own_ids(unique)
                 held.dynamic.check_request(len(unique), held.describe())
                 checked.append(CheckedRead(held, wire, unique, inverse=inverse))
         return checked
@@ -438,6 +445,7 @@ class ShardStore:
             if ids is not None and held.dynamic is None:
                 held.local_rows(ids)  # every id in range and on this shard
             elif ids is not None:
+                held.check_own_ids(ids)
                 held.dynamic.check_request(len(np.unique(ids)), held.describe())
         return targets
 
@@ -508,8 +516,13 @@ class ShardStore:
         updates the touched rows only."""
         rows = rows or [None] * len(targets)
         with self._updating(targets):
-            # Every row found (or made) before anything changes: a dynamic table refused room
-            # (the memory budget) leaves every shard of the push as it was.
+            # Every row found (or made) before anything changes, and every dynamic table's
+            # pool grown first: one refused room (the memory budget) leaves every shard of
+            # the push as it was, none of its rows evicted.
+            for held, touched in zip(targets, rows):
+                if touched is not None and held.dynamic is not None:
+                    held.dynamic.reserve(touched[0])
+                    held.sync_pool()
             local = [None if touched is None else self._local_rows(held, touched[0])
                      for held, touched in zip(targets, rows)]
             for held, grad, touched, where in zip(targets, grads, rows, local):
