@@ -20,11 +20,16 @@ memory fences that Python cannot issue, so the shared-memory path is offered on 
 
 Names: `paramserve.<pid>.<start time>.<serial>.<kind>` where pid and start time
 (/proc/<pid>/stat) identify the server process, so that a server can tell which segments a
-dead one left behind (`owner_alive`).
+dead one left behind (`owner_alive`). A pid says nothing across pid namespaces (containers
+of one pod share /dev/shm but not their pids), so a server also holds an exclusive flock on
+its control segment for as long as it runs (`create(..., locked=True)`), which the kernel
+drops when the process dies: a segment whose owner's control segment is locked belongs to a
+live server, whatever its pid says here (`owner_locked`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import platform
@@ -68,7 +73,8 @@ def process_start_time(pid: int) -> str | None:
 
 
 def owner_alive(name: str) -> bool:
-    """Whether the server process that created segment `name` is still running."""
+    """Whether the server process that created segment `name` is still running, as far as
+    this pid namespace can tell (see `owner_locked`)."""
     parts = name.split(".")
     try:
         pid = int(parts[1])
@@ -77,11 +83,37 @@ def owner_alive(name: str) -> bool:
     return process_start_time(pid) == parts[2]
 
 
+def owner_prefix(name: str) -> str:
+    """The part of a segment's name that names its server process (`paramserve.<pid>.<start
+    time>.`)."""
+    return ".".join(name.split(".")[:3]) + "."
+
+
+def owner_locked(control: Path) -> bool:
+    """Whether a running server holds its lock on control segment `control` (in any pid
+    namespace that shares this directory)."""
+    try:
+        fd = os.open(control, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also drops the shared lock, if taken
+    return False
+
+
 class Segment:
     """One mapped segment: `header` (8 uint64 words) and the `data` bytes after it."""
 
-    def __init__(self, path: Path, mapping: mmap.mmap, writable: bool):
+    def __init__(self, path: Path, mapping: mmap.mmap, writable: bool,
+                 lock_fd: int | None = None):
         self.path = path
+        self._lock_fd = lock_fd  # holds the owner's flock (create(..., locked=True))
         self.name = path.name
         self._mapping = mapping
         self.writable = writable
@@ -115,26 +147,42 @@ class Segment:
     def retired(self) -> bool:
         return bool(int(self.header[FLAGS]) & RETIRED)
 
+    def unlock(self) -> None:
+        """Drop the owner's lock (the server has retired the segment)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
-def create(name: str, nbytes: int) -> Segment:
+
+def create(name: str, nbytes: int, *, locked: bool = False) -> Segment:
     """A new segment with room for `nbytes` of data, owner-only, its space reserved.
 
     The space is allocated up front (posix_fallocate) because a tmpfs that runs out of room
     (a container's 64 MiB /dev/shm) would otherwise kill the process with SIGBUS when it
     first touches a page; here it raises OSError (ENOSPC) instead.
+
+    `locked` (a server's control segment): the segment holds an exclusive flock until
+    `unlock()` or the process's end. It is made under a name outside PREFIX and renamed once
+    locked, so that no other server ever sees it unlocked (see `owner_locked`).
     """
     path = DIRECTORY / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    made = DIRECTORY / f".{name}.{os.getpid()}.new" if locked else path
+    fd = os.open(made, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         size = HEADER_BYTES + max(nbytes, 1)
         os.posix_fallocate(fd, 0, size)
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            np.frombuffer(mapping, np.uint64, 1)[0] = MAGIC
+            os.rename(made, path)
     except BaseException:
         os.close(fd)
-        unlink(path)
+        unlink(made)
         raise
-    os.close(fd)
-    segment = Segment(path, mapping, writable=True)
+    if not locked:
+        os.close(fd)
+    segment = Segment(path, mapping, writable=True, lock_fd=fd if locked else None)
     segment.header[0] = MAGIC
     return segment
 

@@ -205,14 +205,15 @@ class ParameterServer:
 
     @staticmethod
     def _shared_memory(config: ServerConfig) -> SharedMemory | None:
+        unsupported = shm.supported()
+        if unsupported is None:
+            clear_dead()  # a dead predecessor's segments, whichever path this server uses
         if not config.shared_memory:
             log.info("shared memory off (--no-shm): clients on this host use gRPC")
             return None
-        unsupported = shm.supported()
         if unsupported is not None:
             log.info("%s", unsupported)
             return None
-        clear_dead()
         try:
             return SharedMemory()
         except OSError as error:

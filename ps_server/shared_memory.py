@@ -83,7 +83,7 @@ class SharedMemory:
         self._connections: OrderedDict[int, Connection] = OrderedDict()
         self._connection_ids = itertools.count(1)
         self._closed = False
-        self.control = shm.create(self._name("control"), 0)
+        self.control = shm.create(self._name("control"), 0, locked=True)
         self.control.header[shm.PID] = os.getpid()
         self._push_socket: PushSocket | None = None
 
@@ -170,7 +170,14 @@ class SharedMemory:
             for old in ended:
                 del self._connections[old.id]
             if len(self._connections) > MAX_CONNECTIONS:
-                ended.append(self._connections.popitem(last=False)[1])
+                # The least recently used connection no client has proven yet, if any: a
+                # stream of handshakes that are never proven (a caller on another host,
+                # say) must not end the connections of the workers that share this host.
+                unproven = next((s for s in self._connections.values() if s.probe is not None),
+                                None)
+                old = unproven or next(iter(self._connections.values()))
+                del self._connections[old.id]
+                ended.append(old)
         for old in ended:
             _end(old)
         return connection
@@ -211,8 +218,20 @@ class SharedMemory:
     @staticmethod
     def reader(segment: shm.Segment) -> shm.BlockReader | None:
         """How the server reads a push from `segment`: a BlockReader for a large slot, None
-        (through the mapping) for the others."""
-        return segment.reader() if segment.nbytes >= READ_SLOTS_FROM_FILE_BYTES else None
+        (through the mapping) for the others, once their file is found as long as the
+        mapping. (A file its client truncated would kill this process with SIGBUS when the
+        mapping is read; a BlockReader makes the same check.)"""
+        if segment.nbytes >= READ_SLOTS_FROM_FILE_BYTES:
+            return segment.reader()
+        try:
+            held = os.stat(segment.path).st_size
+        except FileNotFoundError:
+            return None  # unlinked as its connection ended: nobody can truncate it by name
+        if held < shm.HEADER_BYTES + segment.nbytes:
+            raise InvalidArgument(f"a push's file holds {held} bytes, fewer than the "
+                                  f"{shm.HEADER_BYTES + segment.nbytes} it was made with; "
+                                  "nothing was applied")
+        return None
 
     def slot(self, connection: Connection, slot: int) -> shm.Segment | None:
         """The connection's push slot (None: the connection has ended)."""
@@ -262,6 +281,7 @@ class SharedMemory:
         for segment in values:
             _retire(segment)
         _retire(self.control)
+        self.control.unlock()
 
 
 def _retire(segment: shm.Segment) -> None:
@@ -284,15 +304,21 @@ def _end(connection: Connection) -> None:
 def clear_dead() -> int:
     """Remove the segments of paramserve servers of this user that are no longer running
     (killed, say, with SIGKILL): marked retired first, so that clients still mapping them
-    stop using them. Returns how many were removed."""
+    stop using them. A server is running if its pid is, here, or if it holds the lock on its
+    control segment (ps_common.shm.owner_locked: a server in another pid namespace that
+    shares this directory). Returns how many were removed."""
     removed = 0
     try:
         entries = list(shm.DIRECTORY.iterdir())
     except OSError:
         return 0
     uid = os.getuid()
+    locked = {shm.owner_prefix(path.name) for path in entries
+              if path.name.startswith(shm.PREFIX) and path.name.endswith(".control")
+              and not shm.owner_alive(path.name) and shm.owner_locked(path)}
     for path in entries:
-        if not path.name.startswith(shm.PREFIX) or shm.owner_alive(path.name):
+        if (not path.name.startswith(shm.PREFIX) or shm.owner_alive(path.name)
+                or shm.owner_prefix(path.name) in locked):
             continue
         try:
             if path.stat().st_uid != uid:

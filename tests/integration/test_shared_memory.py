@@ -681,6 +681,78 @@ def test_a_starting_server_clears_what_a_dead_server_left(dead_pid, planted):
     assert not exists(server.shared.control.name)
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "no-shm"])
+def test_a_starting_server_clears_what_a_dead_server_left_with_or_without_shm(
+        dead_pid, planted, shared_memory):
+    serial = 900_000 + (uuid.uuid4().int % 99_999)
+    values = planted(f"{shm.PREFIX}{dead_pid}.777.{serial}.values")
+    with ParameterServer(ServerConfig(grace_s=0.5, shared_memory=shared_memory)):
+        assert not values.path.exists() and values.retired
+
+
+def test_a_live_server_in_another_pid_namespace_keeps_its_segments(
+        dead_pid, planted, monkeypatch):
+    """Containers of one pod share /dev/shm but not their pids: a live server's pid may mean
+    nothing here. Its lock on its control segment says it runs."""
+    with ParameterServer(ServerConfig(grace_s=0.5)) as live:
+        live_segments = {p for p in shm.DIRECTORY.iterdir() if p.name.startswith(own_prefix())}
+        assert live.shared.control.path in live_segments
+        assert not [p for p in shm.DIRECTORY.iterdir() if p.name.endswith(".new")]
+        serial = 900_000 + (uuid.uuid4().int % 99_999)
+        dead_control = planted(f"{shm.PREFIX}{dead_pid}.777.{serial}.control")  # no lock
+        alive = shm.owner_alive  # this process's pid is not visible, as if in another pod
+        monkeypatch.setattr(shm, "owner_alive",
+                            lambda name: not name.startswith(own_prefix()) and alive(name))
+        server_shm.clear_dead()
+        assert all(p.exists() for p in live_segments)
+        assert not live.shared.control.retired
+        assert not dead_control.path.exists()
+    assert not live.shared.control.path.exists()  # and once it stops, nothing is left
+
+
+def test_a_small_slot_its_client_truncated_is_refused_before_it_is_read(make_cluster):
+    """Read through its mapping, a truncated slot would kill the server with SIGBUS."""
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        epoch = ps.refresh().epoch
+    stub = ps_grpc.ParameterServerStub(grpc.insecure_channel(cluster.servers[0].address))
+    opened = stub.OpenSharedMemory(ps_pb.OpenSharedMemoryRequest(client_id="c"), timeout=10)
+    secret = bytes(shm.attach(opened.probe, writable=False).data[:shm.SECRET_BYTES])
+    made = stub.PushShared(ps_pb.PushSharedRequest(
+        connection=opened.connection, secret=secret, slot_bytes=16), timeout=10)
+    os.truncate(shm.DIRECTORY / made.segment, 0)
+    header = ps_pb.PushHeader(
+        client_id="c", incarnation=1, sequence=1, acked_through=0, epoch=epoch,
+        shards=[ps_pb.ShardRef(variable="w", index=0)],
+        tensors=[tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[4])])
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.PushShared(ps_pb.PushSharedRequest(connection=opened.connection, secret=secret,
+                                                slot=made.slot, header=header), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fewer than" in caught.value.details()
+    np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.zeros(4, np.float32))
+
+
+def test_handshakes_never_proven_do_not_end_a_proven_connection(make_cluster, monkeypatch):
+    """A caller that cannot read the probe (another host) may open connections without end:
+    past the limit, those go first, not the connections of workers on this host."""
+    monkeypatch.setattr(server_shm, "MAX_CONNECTIONS", 8)
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.push({"w": np.ones(4, np.float32)})  # a proven connection, holding a slot
+        stub = ps_grpc.ParameterServerStub(grpc.insecure_channel(cluster.servers[0].address))
+        for _ in range(2 * server_shm.MAX_CONNECTIONS):
+            stub.OpenSharedMemory(ps_pb.OpenSharedMemoryRequest(client_id="remote"), timeout=10)
+        handshakes, through_socket = calls(cluster, "OpenSharedMemory"), cluster.faults.socket_calls
+        for _ in range(2):
+            ps.push({"w": np.ones(4, np.float32)})
+        assert calls(cluster, "OpenSharedMemory") == handshakes  # no new handshake
+        assert cluster.faults.socket_calls == through_socket + 2  # both through its slot
+    np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.full(4, -3.0, np.float32))
+
+
 # ---- a server told to exit by its coordinator ----------------------------------------------------
 
 def test_a_server_told_to_exit_has_removed_its_segments_when_its_main_loop_returns(monkeypatch):
