@@ -6,6 +6,7 @@ which `CoordinatorUnreachable` names the address.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class CoordinatorClient:
                                   initial_backoff_s=0.1, max_backoff_s=1.0)
         self._waits_lock = threading.Lock()
         self._waits: set[grpc.Future] = set()
+        self._lease_ids = itertools.count(1)  # LeaseTaskRequest.lease_id
 
     def _call(self, method: str, request, *, wait_s: float = 0.0):
         """`wait_s`: the coordinator may hold the call this long before it answers (a lease
@@ -159,9 +161,10 @@ class CoordinatorClient:
         `wait_s`: when no task is pending, the coordinator may hold the call up to this long
         (it bounds it too) and answer as soon as one is: a task is started the moment it is
         pending, not at the next poll. ('wait', 0.0) then means ask again at once."""
+        # One lease_id per ask, kept by its retries (a lost answer gets the same task).
         reply = self._call("LeaseTask", pb.LeaseTaskRequest(
-            worker_id=worker_id, incarnation=incarnation, wait_ms=round(wait_s * 1000)),
-            wait_s=wait_s)
+            worker_id=worker_id, incarnation=incarnation, wait_ms=round(wait_s * 1000),
+            lease_id=next(self._lease_ids)), wait_s=wait_s)
         if reply.reregister:
             return "reregister", None
         outcome = reply.WhichOneof("outcome")

@@ -440,6 +440,7 @@ class Worker:
         self._client: PSClient | None = None  # the incarnation's PSClient, to interrupt
         self._client_lock = threading.Lock()
         self._incarnation = 0
+        self._incarnation_lock = threading.Lock()  # the incarnation and its fence together
         self.lost_coordinator: Exception | None = None
 
     def request_stop(self) -> None:
@@ -509,9 +510,10 @@ class Worker:
                         raise
                     if self._stop.is_set() or self._job_over.is_set():
                         return self._exit_status()
-                self._incarnation = self._coordinator.register_worker(
-                    self.worker_id).incarnation
-                self._fenced.clear()
+                incarnation = self._coordinator.register_worker(self.worker_id).incarnation
+                with self._incarnation_lock:  # see _heartbeat_loop
+                    self._incarnation = incarnation
+                    self._fenced.clear()
                 log.warning("the coordinator no longer knows this worker's incarnation (it "
                             "was declared dead, or the coordinator lost it); re-registered as "
                             "incarnation %d", self._incarnation)
@@ -621,8 +623,9 @@ class Worker:
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
+            incarnation = self._incarnation
             try:
-                action = self._coordinator.heartbeat(self.worker_id, self._incarnation,
+                action = self._coordinator.heartbeat(self.worker_id, incarnation,
                                                      self._data_path(), self._step_stats())
             except CoordinatorUnreachable as error:
                 log.error("%s", error)
@@ -634,7 +637,12 @@ class Worker:
                     return
                 raise
             if action == "reregister":
-                self._fenced.set()
+                # About the incarnation the heartbeat carried: one the worker has replaced
+                # while the call was in flight is no news about the live one.
+                with self._incarnation_lock:
+                    if incarnation != self._incarnation:
+                        continue
+                    self._fenced.set()
                 self._interrupt_client()
             elif action == "stop":
                 self._job_over.set()

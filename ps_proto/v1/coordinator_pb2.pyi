@@ -623,6 +623,7 @@ class LeaseTaskRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
     wait_ms: _builtins.int
@@ -631,16 +632,22 @@ class LeaseTaskRequest(_message.Message):
     has passed (at most its own bound, and not at all while it already holds many such
     calls), and then answers as it would at once. 0: answer at once.
     """
+    lease_id: _builtins.int
+    """A number the caller gives each task it asks for, the same on every retry of that ask
+    (0: none). A retry of the last ask that got a task, whose answer the caller never saw,
+    gets that same task again while this incarnation holds it, instead of a second one.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
         wait_ms: _builtins.int = ...,
+        lease_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "lease_id", b"lease_id", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -151,6 +151,7 @@ class Worker:
     leased: set[int] = field(default_factory=set)
     data_path: str = ""  # as the worker reports it: "shm", "grpc", "shm+grpc"
     wait_s: float = 0.0  # its pushes' waits for other workers (StepReport)
+    last_lease: tuple[int, int] | None = None  # (lease_id, task_id) of its last task
 
 
 @dataclass
@@ -523,7 +524,8 @@ class JobRunner:
             return "continue"
 
     def lease(self, worker_id: str, incarnation: int, wait_s: float = 0.0, *,
-              abandoned: Callable[[], bool] = lambda: False) -> tuple[str, Task | float | None]:
+              abandoned: Callable[[], bool] = lambda: False,
+              lease_id: int = 0) -> tuple[str, Task | float | None]:
         """('task', task) | ('wait', None) | ('wait', 0.0) | ('done', None) |
         ('reregister', None).
 
@@ -536,6 +538,10 @@ class JobRunner:
         should pause first.
         A wait also ends, with ('wait', None), once `abandoned()` says the caller is gone
         (checked whenever the wait is woken: see `wake_waiting`).
+        `lease_id` (0: none): the caller's number for this ask, the same on its retries. A
+        retry of the ask that got this worker its last task gets that task again while it
+        holds it: the answer was lost, and a second task would sit leased to a worker that
+        never heard of it, alive and heartbeating, for good.
         """
         give_up_at = time.monotonic() + wait_s
         waited = False
@@ -551,6 +557,11 @@ class JobRunner:
                     return "done", None
                 if waited and abandoned():
                     return "wait", None
+                if lease_id and worker.last_lease and worker.last_lease[0] == lease_id:
+                    task = self._tasks.get(worker.last_lease[1])
+                    if task is not None and task.state is TaskState.LEASED \
+                            and task.holder == (worker_id, incarnation):
+                        return "task", task
                 # A resumed task its old holder reported done stays in the heap (and may
                 # even have been dropped with its epoch since): skipped.
                 while self._pending and getattr(self._tasks.get(self._pending[0][1]), "state",
@@ -567,6 +578,7 @@ class JobRunner:
                     task.state, task.holder = TaskState.LEASED, (worker_id, incarnation)
                     task.attempts += 1
                     worker.leased.add(task_id)
+                    worker.last_lease = (lease_id, task_id) if lease_id else None
                     if task.kind == "train" and task.epoch == self._epoch:
                         self._unleased -= 1
                         self._next_epoch()  # an epoch not evaluated is now all handed out
@@ -867,7 +879,8 @@ class JobRunner:
                              "died_at_s": (w.died_at - self._started_at
                                            if w.died_at is not None else None),
                              "tasks_done": w.tasks_done, "steps": w.steps,
-                             "leased": sorted(w.leased)}
+                             "leased": sorted(w.leased),
+                             "last_lease": list(w.last_lease) if w.last_lease else None}
                             for w in self._workers.values()],
             }
 
@@ -903,7 +916,9 @@ class JobRunner:
                                       Metrics(**s["test"]) if s["test"] else None)
                          for s in state["summaries"]]
             workers = [(Worker(w["worker_id"], w["incarnation"], WorkerState(w["state"]), 0.0,
-                               w["reason"], None, w["tasks_done"], w["steps"], set(w["leased"])),
+                               w["reason"], None, w["tasks_done"], w["steps"], set(w["leased"]),
+                               last_lease=(tuple(w["last_lease"]) if w.get("last_lease")
+                                           else None)),
                         w["died_at_s"]) for w in state["workers"]]
             job_state, failure = JobState(state["state"]), state["failure"]
             counters = [state[k] for k in ("epoch", "issued", "tasks_done", "steps")]

@@ -155,7 +155,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if wait_s and not context.add_callback(self._runner.wake_waiting):
                 wait_s = 0.0
             outcome, task = self._runner.lease(request.worker_id, request.incarnation, wait_s,
-                                               abandoned=lambda: not context.is_active())
+                                               abandoned=lambda: not context.is_active(),
+                                               lease_id=request.lease_id)
             if outcome == "task":
                 # Saved before the worker hears it, like a completion: a restarted
                 # coordinator then still takes this worker's report of it.

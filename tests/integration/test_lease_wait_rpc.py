@@ -17,7 +17,7 @@ from ps_proto.v1 import coordinator_pb2 as pb
 from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from ps_server.coordinator import servicer as coordinator_servicer
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
-from ps_server.testing import wait_until
+from ps_server.testing import FaultInjector, wait_until
 from ps_worker.coordinator_client import CoordinatorClient, LeaseRevoked
 
 LONG_S = 60.0  # a wait that must end by an event, long before this
@@ -166,3 +166,20 @@ def test_a_read_from_a_worker_that_does_not_hold_the_evaluation_is_refused(coord
             client.evaluation_read_parameters("w1", w1, evaluation.task_id + 100)
         assert client.lease("w0", w0)[0] == "wait"  # epoch 2 did not start
         assert client.status()["job"]["epoch"] == 1
+
+
+def test_a_lease_whose_answer_was_lost_gets_the_same_task_on_its_retry():
+    """The coordinator handed the task out and its answer never arrived: the retry (same
+    lease_id) gets that task again, not a second one that would stay leased for good."""
+    faults = FaultInjector()
+    config = CoordinatorConfig(job=JobSpec(epochs=1, tasks_per_epoch=2), keep_serving=True,
+                               heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, grace_s=5.0,
+                               recovery_grace_s=0.0)
+    with Coordinator(config, interceptors=[faults]) as coordinator, \
+            CoordinatorClient(coordinator.address, give_up_after_s=5) as client:
+        w0 = client.register_worker("w0").incarnation
+        faults.drop_response_next("LeaseTask")
+        outcome, task = client.lease("w0", w0)
+        assert outcome == "task" and faults.calls["LeaseTask"] == 2  # one retry
+        [row] = [w for w in coordinator.runner.snapshot()["workers"] if w["worker_id"] == "w0"]
+        assert row["leased_tasks"] == [task.task_id]

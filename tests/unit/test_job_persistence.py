@@ -307,3 +307,14 @@ def test_an_epoch_ended_by_resumed_holders_reports_goes_on_to_the_next():
     finish(runner, "w0", w0, evaluation)
     nxt = lease_task(runner, "w0", w0)
     assert (nxt.kind, nxt.epoch) == ("train", 3)
+
+
+def test_a_retried_ask_after_a_restart_gets_the_task_its_lost_answer_carried():
+    runner, _ = make_runner()
+    w = runner.register_worker("w0")
+    outcome, task = runner.lease("w0", w, lease_id=3)  # saved; the answer is lost
+    assert outcome == "task"
+    again, _ = restored(runner.export_state())
+    outcome, retried = again.lease("w0", w, lease_id=3)
+    assert outcome == "task" and retried.task_id == task.task_id
+    assert worker_row(again, "w0")["leased_tasks"] == [task.task_id]

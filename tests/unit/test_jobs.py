@@ -66,6 +66,31 @@ def test_train_tasks_are_leased_in_order_with_epoch_and_index():
     assert worker_row(runner, "w0")["leased_tasks"] == [t.task_id for t in tasks]
 
 
+
+def test_a_retried_ask_gets_the_task_its_lost_answer_carried_while_it_holds_it():
+    runner, _ = make_runner(epochs=1, tasks_per_epoch=4)
+    w = runner.register_worker("w0")
+    outcome, first = runner.lease("w0", w, lease_id=7)
+    assert outcome == "task"
+    assert runner.lease("w0", w, lease_id=7) == ("task", first)  # the answer was lost
+    assert worker_row(runner, "w0")["leased_tasks"] == [first.task_id]
+    second = runner.lease("w0", w, lease_id=8)[1]  # a new ask: a new task
+    assert second.task_id != first.task_id
+    runner.complete("w0", w, second.task_id, TRAIN)
+    assert runner.lease("w0", w, lease_id=8)[1].task_id not in (first.task_id,
+                                                                  second.task_id)
+    # Without a lease_id (an older worker) every ask is a new one.
+    assert lease_task(runner, "w0", w).task_id != first.task_id
+
+
+def test_a_retried_ask_of_a_replaced_incarnation_gets_nothing_of_its_old_task():
+    runner, _ = make_runner(epochs=1, tasks_per_epoch=2)
+    old = runner.register_worker("w0")
+    task = runner.lease("w0", old, lease_id=1)[1]
+    new = runner.register_worker("w0")  # the old incarnation's task goes back in the queue
+    assert runner.lease("w0", old, lease_id=1) == ("reregister", None)
+    assert runner.lease("w0", new, lease_id=1)[1].task_id == task.task_id  # handed out anew
+
 def test_evaluation_appears_when_train_tasks_are_done_and_is_leased_first():
     runner, _ = make_runner(epochs=2, tasks_per_epoch=2)
     w = runner.register_worker("w0")
