@@ -219,7 +219,14 @@ class PushLedger:
                     self._fences[cid] = incarnation
             for cid, (incarnation, floor, applied) in state.get("clients", {}).items():
                 known = self._clients.get(cid)
-                if known is not None and known.incarnation >= incarnation:
+                if known is not None and known.incarnation > incarnation:
+                    continue
+                if known is not None and known.incarnation == incarnation:
+                    # Pushes since this server started (to shards that were not restored
+                    # with these, say) and those the checkpoint holds: both were applied.
+                    with known.lock:
+                        known.applied |= set(applied)
+                        self._compact(known, max(known.floor, floor))
                     continue
                 if self._fences.get(cid, 0) >= incarnation:
                     continue

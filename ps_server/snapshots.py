@@ -189,14 +189,17 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
         capture = Capture(shards, memory_bytes)
         store.begin_capture(capture)
         # The tensors' shapes at the cut. A dynamic table's arrays grow (are replaced) as
-        # rows are made, but any change after this point preserves a copy first, and a
-        # change begun before it has ended once its lock is ours.
+        # rows are made, but any change after this point preserves a copy first (the
+        # shapes are then the copy's: a pull that makes rows is not held back by the gate),
+        # and a change begun before it has ended once its lock is ours.
         layout = {}
         for held in shards:
             with held.lock:
+                copy = capture.copy_of(held)
+                values, slots = ((copy.values, copy.slots) if copy is not None
+                                 else (held.values, held.state.slots))
                 layout[id(held)] = [(tensor, str(array.dtype), array.shape)
-                                    for tensor, array in _tensors_of(held, held.values,
-                                                                     held.state.slots)]
+                                    for tensor, array in _tensors_of(held, values, slots)]
     try:
         ledger_file = write_json(directory / f"{server_id}.ledger.json", ledger_state)
         tensors_name = f"{server_id}.safetensors"

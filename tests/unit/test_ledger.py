@@ -307,3 +307,17 @@ def test_counts_applied_and_duplicate_pushes_and_keeps_them_past_retirement():
     assert ledger.counts() == (2, 2)  # what retired clients did still counts
     assert attempt(ledger, "w1", 2, 1) is False  # a new incarnation
     assert ledger.counts() == (3, 2)
+
+
+def test_a_checkpoint_restored_after_the_client_pushed_here_keeps_both_records():
+    """A restore can arrive after the same incarnation pushed to this server's other shards
+    (a restore retried after a passing failure): both what it holds and what came since
+    count as applied."""
+    ledger = PushLedger()
+    with ledger.exactly_once("c", 1, 3, 0) as duplicate:
+        assert not duplicate
+    ledger.restore({"clients": {"c": [1, 1, [2]]}, "fences": {}})  # 1 and 2 in the checkpoint
+    assert all(ledger.applied("c", 1, s) for s in (1, 2, 3))
+    assert not ledger.applied("c", 1, 4)
+    ledger.restore({"clients": {"c": [0, 9, []]}, "fences": {}})  # an older incarnation's
+    assert not ledger.applied("c", 1, 4)

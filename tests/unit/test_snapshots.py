@@ -154,3 +154,36 @@ def test_a_shard_nobody_pushes_to_is_written_without_a_copy_and_a_push_mid_write
     for (name, index), values in at_cut.items():
         np.testing.assert_array_equal(tensors.array(values_name(name, index)), values)
     assert copies == [("a", 0)]
+
+
+# ---- a dynamic table that grows right after the cut ------------------------------------
+
+def pull_table_rows(store: ShardStore, ids) -> np.ndarray:
+    ids = np.asarray(ids, np.int64)
+    ((_, _, rows),) = store.plan_pull(store.epoch, [("t", 0)], None, [ids])
+    return rows
+
+
+def test_a_dynamic_table_growing_right_after_the_cut_is_saved_as_of_the_cut(tmp_path):
+    spec = VariableSpec("t", (0, 4), kind="embedding", initializer=Component.of("zeros"),
+                        optimizer=Component.of({"name": "sgd", "lr": 1.0}))
+    store = ShardStore()
+    store.assign(1, {"t": spec}, [Shard("t", 0, 0, 0, "s", 1)])
+    pull_table_rows(store, np.arange(64))  # the pool's first 64 rows: full
+    (held,) = store.held()
+    at_cut = (held.values.copy(), held.state.slots["ids"].copy())
+    assert len(at_cut[0]) == 64
+
+    real_begin = store.begin_capture
+
+    def begin_then_pull(capture):
+        real_begin(capture)
+        # A pull of new ids lands right after the cut: the pool grows (a copy is kept first).
+        pull_table_rows(store, np.arange(1000, 1010))
+
+    store.begin_capture = begin_then_pull
+    save(store, PushLedger(), tmp_path, "s", epoch=1)
+
+    tensors = TensorFile(tmp_path / "s.safetensors")
+    np.testing.assert_array_equal(tensors.array(values_name("t", 0)), at_cut[0])
+    np.testing.assert_array_equal(tensors.array(slot_name("t", 0, "ids")), at_cut[1])
