@@ -328,9 +328,10 @@ class PSClient:
         with self._identity_lock:
             if self._incarnation is None:
                 reply = call_with_retry(
-                    lambda: self._coordinator.RegisterClient(
+                    lambda: self._coordinator_call(
+                        "RegisterClient",
                         coordinator_pb2.RegisterClientRequest(client_id=self.client_id),
-                        timeout=self._timeout_s),
+                        self._timeout_s),
                     target=self.coordinator, policy=self._retry, stop=self._interrupted)
                 with self._lock:
                     self._incarnation = reply.incarnation
@@ -373,6 +374,17 @@ class PSClient:
             connection.interrupt()
         for channel in channels:
             channel.close()
+
+    def _coordinator_call(self, method: str, request, timeout: float):
+        """A call to the coordinator that interrupt() cancels (a declare may wait long for
+        its shards, a refresh for a coordinator that restarts)."""
+        call = getattr(self._coordinator, method).future(request, timeout=timeout)
+        with self._on_the_wire(call):
+            try:
+                return call.result()
+            except grpc.FutureCancelledError:
+                raise _local_error(grpc.StatusCode.CANCELLED,
+                                   f"{method} to the coordinator interrupted") from None
 
     def _unary(self, method, request, timeout: float, server_id: str):
         """A blocking unary data-path call, ended by interrupt() (which closes its channel)."""
@@ -455,8 +467,8 @@ class PSClient:
     def refresh(self) -> ShardMap:
         """Fetch the current shard map from the coordinator."""
         reply = call_with_retry(
-            lambda: self._coordinator.GetShardMap(
-                coordinator_pb2.GetShardMapRequest(), timeout=self._timeout_s),
+            lambda: self._coordinator_call(
+                "GetShardMap", coordinator_pb2.GetShardMapRequest(), self._timeout_s),
             target=self.coordinator, policy=self._read_retry, stop=self._interrupted)
         return self._adopt(shardmap_from_proto(reply))
 
@@ -500,7 +512,7 @@ class PSClient:
         """Declare several variables in one request (placed together, one epoch change)."""
         request = coordinator_pb2.DeclareRequest(variables=[spec_to_proto(s) for s in specs])
         reply = call_with_retry(
-            lambda: self._coordinator.Declare(request, timeout=self._timeout_s * 5),
+            lambda: self._coordinator_call("Declare", request, self._timeout_s * 5),
             target=self.coordinator, policy=self._retry, stop=self._interrupted)
         return self._adopt(shardmap_from_proto(reply))
 
@@ -725,6 +737,8 @@ class PSClient:
     def _shared_connection(self, shard_map: ShardMap, server_id: str) -> SharedConnection | None:
         """This server's shared-memory connection, opened (the handshake) on first use."""
         address = shard_map.servers[server_id]
+        if self._interrupted.is_set():  # as _stub() refuses a call over gRPC
+            raise _local_error(grpc.StatusCode.CANCELLED, "the client was interrupted")
         if not self._use_shared_memory:
             self._paths[address] = "grpc"
             return None
@@ -1164,9 +1178,10 @@ class PSClient:
         def done(f):
             self._window.release()
             with self._lock:
-                self._pending.discard(f)
-                if not f.cancelled() and f.exception() is not None:
-                    self._failed.append(f)
+                if f in self._pending:  # else flush() took it, error and all
+                    self._pending.discard(f)
+                    if not f.cancelled() and f.exception() is not None:
+                        self._failed.append(f)
 
         future.add_done_callback(done)
         return future
@@ -1279,7 +1294,13 @@ class PSClient:
         if not_done:
             raise TimeoutError(f"{len(not_done)} push(es) still in flight after {timeout} s")
         with self._lock:
+            # A future wakes its waiters before it runs its done callbacks: a push may be
+            # over here and not yet in `_failed`. Taken from `_pending` here, its callback
+            # leaves it alone.
             failed, self._failed = self._failed, []
+            failed += [f for f in pending if f in self._pending and not f.cancelled()
+                       and f.exception() is not None]
+            self._pending.difference_update(pending)
         for future in failed:
             future.result()  # raises the first error
 
