@@ -36,8 +36,9 @@ def read_token_file(path: str | os.PathLike) -> str:
         raise ValueError(f"token file {path}: cannot be read ({error})") from None
     if not token:
         raise ValueError(f"token file {path}: is empty")
-    if any(c.isspace() or not c.isprintable() for c in token):
-        raise ValueError(f"token file {path}: the token must be one line of printable "
+    if not token.isascii() or any(c.isspace() or not c.isprintable() for c in token):
+        # gRPC metadata values are ASCII: another token would fail every call, unnamed.
+        raise ValueError(f"token file {path}: the token must be one line of printable ASCII "
                          "characters without spaces")
     return token
 

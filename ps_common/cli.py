@@ -7,6 +7,7 @@ import argparse
 import ctypes
 import decimal
 import logging
+import math
 import os
 import re
 import signal
@@ -31,6 +32,33 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4096, 64MiB or 2GB")
     unit = (match.group(2) or "").lower().rstrip("b")
     return int(decimal.Decimal(match.group(1)) * _UNITS[unit])
+
+
+def parse_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (argparse type): NaN and inf are refused too, which
+    float() takes and every comparison lets through."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def parse_seconds_or_zero(text: str) -> float:
+    """A finite number of seconds >= 0 (argparse type)."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds")
+    return value
 
 
 def parse_address(text: str) -> str:
@@ -158,7 +186,7 @@ def add_server_loss_arguments(parser: argparse.ArgumentParser) -> None:
     """--server-timeout and --reinitialize-lost-shards: what the coordinator does about a
     parameter server that is gone or came back without its shards (ps-coordinator, and
     ps-cluster, which passes them on)."""
-    parser.add_argument("--server-timeout", type=float, default=60.0, metavar="SECONDS",
+    parser.add_argument("--server-timeout", type=parse_seconds, default=60.0, metavar="SECONDS",
                         help="how long a parameter server holding shards may stay unreachable "
                         "before the job fails naming it (default 60)")
     parser.add_argument("--reinitialize-lost-shards", action="store_true",
@@ -203,29 +231,43 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def run_until_signal(stop, wait, announce) -> int:
+class StopSignals:
+    """SIGTERM and SIGINT recorded in `requested` instead of ending the process, from its
+    making until `restore()`. A daemon makes it first thing, so that a signal during its
+    startup is served by the graceful stop (which removes what startup made, e.g. a server's
+    shared-memory segments) instead of killing it half-built."""
+
+    def __init__(self):
+        # A plain list, not an Event: the handler must take no lock. A Python handler can
+        # run again, nested, while its first run holds a lock (Event.set's), and deadlock on
+        # it: a second SIGTERM comes soon enough, e.g. PR_SET_PDEATHSIG is sent once for
+        # each thread of a multi-threaded parent that dies (ps-cluster's children).
+        self.requested: list[int] = []
+        self._previous = {s: signal.signal(s, self._on_signal)
+                          for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.requested.append(signum)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def run_until_signal(stop, wait, announce, signals: StopSignals | None = None) -> int:
     """Call `announce()` (print the ready line), then block until SIGTERM or SIGINT (then
     call `stop()` for a graceful shutdown) or until `wait(timeout)` reports the daemon ended
-    by itself. Handlers are installed before the announcement, so a signal sent as soon as
-    the ready line appears is still graceful. Returns the exit status, 0."""
-    # A plain list, not an Event: the handler must take no lock. A Python handler can run
-    # again, nested, while its first run holds a lock (Event.set's), and deadlock on it: a
-    # second SIGTERM comes soon enough, e.g. PR_SET_PDEATHSIG is sent once for each thread of
-    # a multi-threaded parent that dies (ps-cluster's children).
-    requested: list[int] = []
-
-    def on_signal(signum, frame):
-        requested.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    by itself. Handlers are installed before the announcement (or earlier: `signals`, made
+    before startup), so a signal sent as soon as the ready line appears is still graceful.
+    Returns the exit status, 0."""
+    signals = signals or StopSignals()
     announce()
     try:
-        while not requested:
+        while not signals.requested:
             if wait(0.2):
                 return 0
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signals.restore()
     stop()
     return 0
 

@@ -73,29 +73,29 @@ class JobSpec:
         need(isinstance(self.model, str) and (self.model in BUILTIN_MODELS
                                               or bool(_MODEL_REFERENCE.match(self.model))),
              "model", "must be 'logreg', 'mlp', 'embedding_mlp' or 'module:attribute'")
-        need(all(isinstance(h, int) and h > 0 for h in self.hidden), "hidden",
+        need(all(_integer(h) and h > 0 for h in self.hidden), "hidden",
              "must be positive integers, e.g. 128,64")
         need(isinstance(self.data, str) and (self.data in BUILTIN_DATA
                                              or bool(_SYNTHETIC_N.match(self.data))
                                              or self.data.endswith(".npz")), "data",
              "must be 'digits', 'synthetic', 'synthetic:N', 'synthetic_ctr', 'synthetic_ctr:N' "
              "or a path to an .npz file")
-        need(isinstance(self.epochs, int) and self.epochs >= 1, "epochs", "must be an integer >= 1")
-        need(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size",
+        need(_integer(self.epochs) and self.epochs >= 1, "epochs", "must be an integer >= 1")
+        need(_integer(self.batch_size) and self.batch_size >= 1, "batch_size",
              "must be an integer >= 1")
         need(self.optimizer in OPTIMIZER_NAMES, "optimizer", f"must be one of {OPTIMIZER_NAMES}")
-        need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "lr",
+        need(isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool)
+             and math.isfinite(self.lr) and self.lr > 0, "lr",
              "must be a finite number > 0")
         need(_mode_kind(self.mode) is not None, "mode",
              "must be async, ssp:K (K an integer >= 0) or sync")
         need(not (self.model == "embedding_mlp" and _mode_kind(self.mode) == SYNC), "mode",
              "cannot train embedding_mlp: sync averages whole variables, and embedding tables "
              "are pushed by row; use async or ssp:K")
-        need(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an integer >= 0")
-        need(isinstance(self.tasks_per_epoch, int) and self.tasks_per_epoch >= 1,
+        need(_integer(self.seed) and self.seed >= 0, "seed", "must be an integer >= 0")
+        need(_integer(self.tasks_per_epoch) and self.tasks_per_epoch >= 1,
              "tasks_per_epoch", "must be an integer >= 1")
-        need(isinstance(self.evaluate_every, int) and not isinstance(self.evaluate_every, bool)
-             and self.evaluate_every >= 0, "evaluate_every",
+        need(_integer(self.evaluate_every) and self.evaluate_every >= 0, "evaluate_every",
              "must be an integer >= 0 (0: never evaluate)")
         need(isinstance(self.checkpoint_dir, str), "checkpoint_dir", "must be a path")
         need(isinstance(self.shared_memory, bool), "shared_memory", "must be true or false")
@@ -158,6 +158,11 @@ def _mode_kind(mode: Any) -> str | None:
         return None
 
 
+def _integer(value) -> bool:
+    """An int, and not a bool (which is one to Python: `epochs: true` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _normalized(values: Mapping[str, Any]) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in values.items()}
 
@@ -165,9 +170,11 @@ def _normalized(values: Mapping[str, Any]) -> dict[str, Any]:
 def _read_job_file(path: str) -> dict[str, Any]:
     """The mapping a job file holds, or JobError naming the file."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
         raise JobError(f"--job {path}: cannot read it: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise JobError(f"--job {path}: not UTF-8 text (a job file is YAML or JSON)") from None
     try:
         values = yaml.safe_load(text)  # YAML is a superset of JSON
     except yaml.YAMLError as error:

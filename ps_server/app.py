@@ -88,8 +88,11 @@ class ServerConfig:
         check_chunk_bytes(self.chunk_bytes, what="--chunk-bytes")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 0:
             raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be >= 0")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError("--heartbeat-interval must be > 0")
+        if not (math.isfinite(self.heartbeat_interval_s) and self.heartbeat_interval_s > 0):
+            raise ValueError(f"--heartbeat-interval {self.heartbeat_interval_s} must be a "
+                             "number of seconds > 0")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ValueError(f"--grace {self.grace_s} must be a number of seconds >= 0")
         if self.checkpoint_memory_bytes is not None and self.checkpoint_memory_bytes < 0:
             raise ValueError(f"--checkpoint-memory {self.checkpoint_memory_bytes} must be >= 0")
         if self.push_memory_bytes is not None and self.push_memory_bytes < 0:

@@ -11,7 +11,8 @@ from typing import Mapping
 from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_metrics_argument, add_shared_memory_argument, bind_of, fail,
-    die_with_parent, parse_address, parse_bytes, run_until_signal, setup_logging, tf_config_task,
+    die_with_parent, parse_address, parse_bytes, parse_seconds, parse_seconds_or_zero,
+    StopSignals, run_until_signal, setup_logging, tf_config_task,
 )
 from ps_common.malloc import tune_malloc
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES
@@ -44,11 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-non-finite", action="store_true",
                    help="accept NaN/Inf in gradients instead of refusing the push, from "
                    "clients that accept them too (PSClient(allow_non_finite=True))")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--heartbeat-interval", type=parse_seconds, default=1.0, metavar="SECONDS")
     p.add_argument("--max-streams", type=int, default=128, metavar="N",
                    help="Pull and Push streams served at once; more are refused with "
                    "RESOURCE_EXHAUSTED with a retry delay (default 128)")
-    p.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--stream-idle-timeout", type=parse_seconds, default=30.0, metavar="SECONDS",
                    help="cancel a stream whose peer sends (push) or takes (pull) nothing for "
                    "this long, freeing its slot and thread (default 30)")
     p.add_argument("--checkpoint-memory", type=parse_bytes, default=None,
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "temporary directory, $TMPDIR or /tmp)")
     add_shared_memory_argument(p, "offer clients on this host the shared-memory data path; "
                                "with it, every client uses gRPC")
-    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--grace", type=parse_seconds_or_zero, default=5.0, metavar="SECONDS",
                    help="how long RPCs in flight may finish after SIGTERM")
     add_token_argument(p)
     add_tls_arguments(p, daemon=True)
@@ -123,6 +124,7 @@ def server_main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     config, task = config_and_task(parser, args)
     tune_malloc(one_arena=True)
+    signals = StopSignals()  # from here on a signal stops the server gracefully
     try:
         server = ParameterServer(config).start()
     except MetricsBindError as error:
@@ -140,7 +142,7 @@ def server_main(argv: list[str] | None = None) -> int:
         if server.address != server.bound_address:
             log.info("advertising %s to the coordinator", server.address)
 
-    code = run_until_signal(server.stop, server.wait, announce)
+    code = run_until_signal(server.stop, server.wait, announce, signals)
     log.info("stopped")
     return code
 

@@ -15,7 +15,7 @@ from typing import Mapping
 
 from ps_common.cli import (
     add_metrics_argument, add_shared_memory_argument, add_tls_arguments, add_token_argument,
-    die_with_parent, parse_address, setup_logging, tf_config_task, tls_of, token_of,
+    die_with_parent, parse_address, parse_seconds, parse_seconds_or_zero, setup_logging, tf_config_task, tls_of, token_of,
 )
 from ps_common.job import JobError
 from ps_common.malloc import tune_malloc
@@ -40,14 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (CuPy on a GPU if present, else NumPy) | cpu | cuda:N")
     p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID; with "
                    f"{TF_CONFIG_ENV}, worker-INDEX)")
-    p.add_argument("--coordinator-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--coordinator-timeout", type=parse_seconds, default=30.0, metavar="SECONDS",
                    help="give up when the coordinator is unreachable this long (default 30)")
     add_shared_memory_argument(p, "pull and push through shared memory with servers on this "
                                "host; with it, everything goes over gRPC")
-    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--grace", type=parse_seconds_or_zero, default=5.0, metavar="SECONDS",
                    help="how long SIGTERM may take to end the worker cleanly before it exits "
                    "at once (default 5); it holds nothing that must survive")
-    p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--step-delay", type=parse_seconds_or_zero, default=0.0, metavar="SECONDS",
                    help="sleep this long in every training step: a slow worker (a straggler) "
                    "for demos and tests (default 0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

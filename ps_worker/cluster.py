@@ -25,7 +25,7 @@ import yaml
 
 from ps_common.cli import (
     DIE_WITH_ENV, add_server_loss_arguments, add_shared_memory_argument, add_tls_arguments,
-    add_token_argument, parse_port, tls_of, token_of,
+    add_token_argument, parse_port, parse_seconds, tls_of, token_of,
 )
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.progress import epoch_line
@@ -291,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--device", default="cpu", help="workers' --device (default cpu)")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--heartbeat-interval", type=parse_seconds, default=0.5, metavar="SECONDS")
+    p.add_argument("--heartbeat-timeout", type=parse_seconds, default=5.0, metavar="SECONDS")
     p.add_argument("--split-threshold", default="64MiB")
     add_server_loss_arguments(p)
     p.add_argument("--keep-serving", action="store_true",
@@ -377,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the job cannot run: {error}")
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ps-cluster-")).resolve()
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--log-dir {args.log_dir}: cannot make it a directory "
+                     f"({error.strerror or error})")
     checkpoint_dir = _checkpoint_dir(args, job, log_dir)
     if args.checkpoint_every is not None and checkpoint_dir is None:
         parser.error(f"--checkpoint-every {args.checkpoint_every}: needs --checkpoint-dir")

@@ -30,7 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_common.certs import DEFAULT_HOSTS, make_certs
 from ps_common.cli import (
-    add_tls_arguments, add_token_argument, fail, parse_address, tls_of, token_of,
+    add_tls_arguments, add_token_argument, fail, parse_address, parse_seconds, tls_of,
+    token_of,
 )
 from ps_common.rpc import make_channel
 from ps_common.status import RemoteError
@@ -377,24 +378,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", type=parse_address, help="coordinator HOST:PORT "
                    "(status, checkpoint, plot without --from); default: TF_CONFIG's "
                    "cluster.chief, where TF_CONFIG is set")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=parse_seconds, default=5.0, metavar="SECONDS",
                    help="give up when the coordinator does not answer within this time")
     add_token_argument(p)
     add_tls_arguments(p, daemon=False)
     sub = p.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="members, shards, job progress and metrics")
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
-    status.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+    status.add_argument("--watch", type=parse_seconds, nargs="?", const=2.0, metavar="SECONDS",
                         help="show it again every SECONDS (default 2) until the job is over "
                         "(exit 0 when done, 1 when failed) or Ctrl-C; with --json, one "
                         "object per line")
     status.add_argument("--count", type=int, metavar="N",
                         help="with --watch: stop after N refreshes (exit 0)")
-    status.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+    status.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS, metavar="SECONDS",
                         help="as the --timeout before the command")
     checkpoint = sub.add_parser("checkpoint", help="take a checkpoint now; prints its id "
                                 "and step as JSON once it is complete")
-    checkpoint.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
+    checkpoint.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS,
                             metavar="SECONDS", help="as the --timeout before the command "
                             "(default for checkpoint: 600)")
     drawing = sub.add_parser("plot", help="draw the per-epoch loss and accuracy (training "
@@ -404,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     drawing.add_argument("--from", dest="source", metavar="FILE",
                          help="read the status from FILE (what `ps-ctl status --json` printed; "
                          "- for stdin) instead of asking the coordinator")
-    drawing.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+    drawing.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS, metavar="SECONDS",
                          help="as the --timeout before the command")
     probe = sub.add_parser("probe", help="ask a daemon's gRPC health service whether it "
                            "serves: exit 0 when SERVING, 1 otherwise (for container and "
@@ -412,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("address", type=parse_address, help="the daemon's HOST:PORT")
     probe.add_argument("--service", default="",
                        help="the service to ask about (default: the whole daemon)")
-    probe.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+    probe.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS, metavar="SECONDS",
                        help="as the --timeout before the command")
     for flag in ("--tls-ca", "--tls-cert", "--tls-key"):  # also after `probe`, as probes write
         probe.add_argument(flag, metavar="FILE", default=argparse.SUPPRESS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -89,18 +90,21 @@ class CoordinatorConfig:
             raise ValueError(f"--port {self.port} is not in 0..65535")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {self.metrics_port} is not in 0..65535")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError(f"--heartbeat-interval {self.heartbeat_interval_s} must be > 0")
+        for flag, seconds in (("--heartbeat-interval", self.heartbeat_interval_s),
+                              ("--heartbeat-timeout", self.heartbeat_timeout_s),
+                              ("--server-timeout", self.server_timeout_s)):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{flag} {seconds} must be a number of seconds > 0")
+        for flag, seconds in (("--grace", self.grace_s),
+                              ("--recovery-grace", self.recovery_grace_s)):
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"{flag} {seconds} must be a number of seconds >= 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"--heartbeat-timeout {self.heartbeat_timeout_s} must exceed "
                 f"--heartbeat-interval {self.heartbeat_interval_s}")
-        if self.recovery_grace_s < 0:
-            raise ValueError(f"--recovery-grace {self.recovery_grace_s} must be >= 0")
         if self.expected_servers < 1:
             raise ValueError(f"--expect-servers {self.expected_servers} must be >= 1")
-        if self.server_timeout_s <= 0:
-            raise ValueError(f"--server-timeout {self.server_timeout_s} must be > 0")
         if self.split_threshold_bytes < 1:
             raise ValueError(f"--split-threshold {self.split_threshold_bytes} must be >= 1")
         if self.keep_checkpoints < 1:

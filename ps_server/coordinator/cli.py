@@ -14,7 +14,8 @@ from typing import Mapping
 from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_metrics_argument, add_server_loss_arguments,
-    add_shared_memory_argument, bind_of, die_with_parent, fail, parse_bytes, run_until_signal,
+    add_shared_memory_argument, bind_of, die_with_parent, fail, parse_bytes, parse_seconds,
+    parse_seconds_or_zero, run_until_signal,
     setup_logging, tf_config_task,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
@@ -24,6 +25,10 @@ from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.checkpointer import Interval
 
 log = logging.getLogger("ps-coordinator")
+
+
+DEFAULT_CHECKPOINT_EVERY = Interval(seconds=60)
+_NOT_GIVEN = object()  # --checkpoint-every's default: 60 s, without asking for a directory
 
 
 def checkpoint_interval(text: str) -> Interval | None:
@@ -44,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-threshold", type=parse_bytes, default=64 * 1024 * 1024,
                    help="variables larger than this are split by rows over several servers "
                    "(default 64MiB)")
-    p.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="SECONDS")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="SECONDS")
-    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--heartbeat-interval", type=parse_seconds, default=2.0, metavar="SECONDS")
+    p.add_argument("--heartbeat-timeout", type=parse_seconds, default=10.0, metavar="SECONDS")
+    p.add_argument("--grace", type=parse_seconds_or_zero, default=5.0, metavar="SECONDS")
     add_server_loss_arguments(p)
-    p.add_argument("--recovery-grace", type=float, default=3.0, metavar="SECONDS",
+    p.add_argument("--recovery-grace", type=parse_seconds_or_zero, default=3.0, metavar="SECONDS",
                    help="place no new variable this long after start, so that servers of a "
                    "previous coordinator report their shards first (default 3; 0 for a new "
                    "cluster)")
@@ -61,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take checkpoints of every shard here (a directory every server can "
                    "reach) and restore from the newest good one; also the job-file key "
                    "checkpoint_dir")
-    g.add_argument("--checkpoint-every", type=checkpoint_interval, default=Interval(seconds=60),
+    g.add_argument("--checkpoint-every", type=checkpoint_interval, default=_NOT_GIVEN,
                    metavar="INTERVAL", help="seconds (30s, 5m) or steps (500steps) between "
                    "checkpoints (default 60s), or off (only ps-ctl checkpoint); one is also "
                    "taken at the end of the job and as soon as new variables are declared")
@@ -106,6 +111,12 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
     host, port = bind_of(args, task)
     expected_servers = args.expect_servers if args.expect_servers is not None else (
         task.servers if task else 1)
+    checkpoint_dir = args.checkpoint_dir or (Path(job.checkpoint_dir)
+                                             if job and job.checkpoint_dir else None)
+    every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_every is _NOT_GIVEN \
+        else args.checkpoint_every
+    if args.checkpoint_every not in (_NOT_GIVEN, None) and checkpoint_dir is None:
+        fail(parser, "--checkpoint-every: needs --checkpoint-dir (or the job's checkpoint_dir)")
     try:
         config = CoordinatorConfig(
             job=job, keep_serving=args.keep_serving,
@@ -115,9 +126,9 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
             server_timeout_s=args.server_timeout,
             reinitialize_lost_shards=args.reinitialize_lost_shards,
             recovery_grace_s=args.recovery_grace, expected_servers=expected_servers,
-            checkpoint_dir=args.checkpoint_dir or (Path(job.checkpoint_dir)
-                                                   if job and job.checkpoint_dir else None),
-            checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=every,
+            keep_checkpoints=args.keep_checkpoints,
             state_dir=args.state_dir, token=token_of(parser, args),
             tls=tls_of(parser, args), metrics_port=args.metrics_port)
     except ValueError as error:

@@ -271,6 +271,28 @@ def test_sigterm_lets_a_push_in_flight_finish_and_exits_zero(spawn):
     assert server.popen.wait(EXIT_TIMEOUT_S) == 0
 
 
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_server_starts_stops_it_gracefully_leaving_no_segment(spawn, signum):
+    """Sent as soon as its first shared-memory segment exists, before it says it listens."""
+    from ps_common import shm
+
+    if shm.supported() is not None:
+        pytest.skip(shm.supported())
+    server = spawn([*SERVER, "--port", "0", "--grace", "1"])
+    prefix = f"{shm.PREFIX}{server.popen.pid}."
+
+    def segments() -> list[str]:
+        return [p.name for p in shm.DIRECTORY.iterdir() if p.name.startswith(prefix)]
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not segments() and server.popen.poll() is None and time.monotonic() < deadline:
+        pass  # a bounded busy wait: the window before the ready line is milliseconds
+    assert segments(), f"no segment made; stderr:\n{server.stderr()}"
+    server.popen.send_signal(signum)
+    assert server.popen.wait(EXIT_TIMEOUT_S) == 0, server.stderr()
+    assert segments() == []
+
 # ---- durability: checkpoints across a server SIGKILL ---------------------------------------
 
 CTL = [sys.executable, "-m", "ps_worker.ctl"]
