@@ -18,6 +18,7 @@ daemon is; the token (or a client certificate) proves who the caller is.
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,9 +48,12 @@ class TLS:
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         if ca is None and cert is None and client_ca is None:
             return None
-        return cls(ca=_read_pem("--tls-ca", ca), cert=_read_pem("--tls-cert", cert),
-                   key=_read_pem("--tls-key", key), client_ca=_read_pem("--tls-client-ca",
-                                                                        client_ca))
+        tls = cls(ca=_read_pem("--tls-ca", ca), cert=_read_pem("--tls-cert", cert),
+                  key=_read_pem("--tls-key", key), client_ca=_read_pem("--tls-client-ca",
+                                                                       client_ca))
+        if cert is not None:
+            _check_pair(cert, key)
+        return tls
 
     def check_daemon(self) -> None:
         """Raise ValueError unless these settings can serve: a daemon needs its certificate
@@ -69,6 +73,18 @@ class TLS:
         return grpc.ssl_server_credentials(
             [(self.key, self.cert)], root_certificates=self.client_ca,
             require_client_auth=self.client_ca is not None)
+
+
+def _check_pair(cert: str | os.PathLike, key: str | os.PathLike) -> None:
+    """Raise ValueError unless `key` is the private key of `cert`: gRPC would only say so
+    as a failure to bind the port (a daemon) or to connect (a client)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        # The password callback answers an encrypted key's prompt: gRPC cannot use one.
+        context.load_cert_chain(certfile=cert, keyfile=key, password=lambda: b"")
+    except (ssl.SSLError, OSError) as error:
+        raise ValueError(f"--tls-key {key}: not the (unencrypted) private key of --tls-cert "
+                         f"{cert} ({getattr(error, 'reason', None) or error})") from None
 
 
 def _read_pem(flag: str, path: str | os.PathLike | None) -> bytes | None:

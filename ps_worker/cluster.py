@@ -25,7 +25,7 @@ import yaml
 
 from ps_common.cli import (
     DIE_WITH_ENV, add_server_loss_arguments, add_shared_memory_argument, add_tls_arguments,
-    add_token_argument, parse_port, parse_seconds, tls_of, token_of,
+    add_token_argument, parse_bytes, parse_port, parse_seconds, tls_of, token_of,
 )
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.progress import epoch_line
@@ -129,7 +129,7 @@ class Child:
                     return self.address
             if self.process.poll() is not None:
                 raise ClusterError(f"{self.name} exited with {self.process.returncode} before "
-                                   f"it was ready; see {self.log_path}")
+                                   f"it was ready{_last_error(self)}; see {self.log_path}")
             time.sleep(0.05)
         raise ClusterError(f"{self.name} was not ready within {READY_TIMEOUT_S:g} s; "
                            f"see {self.log_path}")
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="workers' --device (default cpu)")
     p.add_argument("--heartbeat-interval", type=parse_seconds, default=0.5, metavar="SECONDS")
     p.add_argument("--heartbeat-timeout", type=parse_seconds, default=5.0, metavar="SECONDS")
-    p.add_argument("--split-threshold", default="64MiB")
+    p.add_argument("--split-threshold", type=parse_bytes, default="64MiB")
     add_server_loss_arguments(p)
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the coordinator and servers up after the job, until Ctrl-C, "
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator = Child("coordinator", _python(
             "ps_server.coordinator.cli", "--port", "0", "--job", str(job_file), *hb,
             "--heartbeat-timeout", str(args.heartbeat_timeout),
-            "--split-threshold", args.split_threshold,
+            "--split-threshold", str(args.split_threshold),
             # A new cluster: no predecessor's servers to wait for. Safe for the coordinator
             # --chaos restarts too: the first server back reports the whole shard map, and
             # nothing is placed while a server named in it is not back.
@@ -595,7 +595,7 @@ def _last_error(child: Child) -> str:
     except OSError:
         return ""
     errors = [line for line in lines if " ERROR " in line or line.startswith(
-        ("ps-worker:", "Traceback")) or "Error:" in line]
+        ("ps-worker:", "ps-server:", "ps-coordinator:", "Traceback")) or "Error:" in line]
     return f": {child.name}: {errors[-1].strip()}" if errors else ""
 
 

@@ -215,17 +215,21 @@ class Coordinator:
         if self.runner.job is None:
             return
         saved = self._state_file.load()
-        source = f"{self._state_file.path}"
-        progress = saved.get("job") if saved else None
-        if progress is None and self.checkpointer and self.checkpointer.catalog.current():
-            manifest = self.checkpointer.catalog.current()
-            progress, source = manifest.job, f"checkpoint {manifest.directory}"
-        if progress is None:
-            return
-        try:
-            self.runner.restore_state(progress)
-        except ValueError as error:
-            log.warning("not resuming from %s: %s; starting the job afresh", source, error)
+        candidates = []
+        if saved and saved.get("job") is not None:
+            candidates.append((saved["job"], f"{self._state_file.path}"))
+        manifest = self.checkpointer.catalog.current() if self.checkpointer else None
+        if manifest is not None and manifest.job is not None:
+            candidates.append((manifest.job, f"checkpoint {manifest.directory}"))
+        for progress, source in candidates:
+            try:
+                self.runner.restore_state(progress)  # unchanged when it raises
+                break
+            except ValueError as error:  # another job's, say: the next one may be this job's
+                log.warning("not resuming from %s: %s", source, error)
+        else:
+            if candidates:
+                log.warning("starting the job afresh")
             return
         snap = self.runner.snapshot()
         log.info("resumed the job from %s: %s, epoch %d/%d, %d of %d task(s) done, %d step(s)",

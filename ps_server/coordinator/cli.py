@@ -113,6 +113,15 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
         task.servers if task else 1)
     checkpoint_dir = args.checkpoint_dir or (Path(job.checkpoint_dir)
                                              if job and job.checkpoint_dir else None)
+    for flag, directory in (("--checkpoint-dir" if args.checkpoint_dir
+                             else "the job's checkpoint_dir", checkpoint_dir),
+                            ("--state-dir", args.state_dir)):
+        try:
+            if directory is not None:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # else it would surface as a failure to bind the port
+            fail(parser, f"{flag} {directory}: cannot make it a directory "
+                         f"({error.strerror or error})")
     every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_every is _NOT_GIVEN \
         else args.checkpoint_every
     if args.checkpoint_every not in (_NOT_GIVEN, None) and checkpoint_dir is None:

@@ -146,6 +146,10 @@ def test_bad_tls_flags_are_refused_naming_the_flag(module, certs, tmp_path):
     extra = {"ps_worker.ctl": ["status"], "ps_worker.cli": ["--coordinator", "127.0.0.1:9"]
              }.get(module, [])
     cases = [(["--tls-cert", str(certs / "server.pem")], "--tls-key"),
+             (["--tls-cert", str(certs / "server.pem"), "--tls-key",
+               str(certs / "client-key.pem")], "--tls-key"),  # another certificate's key
+             (["--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "ca.pem")],
+              "--tls-key"),  # no key at all
              (["--tls-ca", str(not_pem)], "--tls-ca"),
              (["--tls-ca", str(tmp_path / "missing.pem")], "--tls-ca")]
     for flags, named in cases:

@@ -6,6 +6,7 @@ cannot be one, and checkpoints asked for without a place to put them."""
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,3 +100,25 @@ def test_checkpoint_every_without_a_checkpoint_dir_is_refused(capsys):
     for argv in ([], ["--checkpoint-every", "off"]):  # the default, and off, need none
         config, _ = coordinator_cli.config_and_task(parser, parser.parse_args(argv), environ={})
         assert config.checkpoint_dir is None
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--state-dir"])
+def test_a_directory_that_cannot_be_made_names_its_flag(tmp_path, capsys, flag):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    parser = coordinator_cli.build_parser()
+    with pytest.raises(SystemExit):
+        coordinator_cli.config_and_task(parser, parser.parse_args([flag, str(taken / "dir")]),
+                                        environ={})
+    assert f"{flag} {taken / 'dir'}: cannot make it a directory" in capsys.readouterr().err
+
+
+def test_ps_cluster_checks_sizes_and_names_a_childs_refusal(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cluster_cli.build_parser().parse_args(["--split-threshold", "lots"])
+    assert "argument --split-threshold: 'lots'" in capsys.readouterr().err
+    log = tmp_path / "coordinator.log"
+    log.write_text("usage: ps-coordinator ...\nps-coordinator: error: argument "
+                   "--checkpoint-every: 'often': expected seconds\n")
+    child = SimpleNamespace(name="coordinator", log_path=log)
+    assert "--checkpoint-every: 'often'" in cluster_cli._last_error(child)
