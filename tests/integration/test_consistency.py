@@ -10,6 +10,7 @@ wait is a bounded wait for an event or a predicate, never a sleep."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -48,6 +49,17 @@ def expect_error(code: grpc.StatusCode, fn, *args, **kwargs) -> RemoteError:
         fn(*args, **kwargs)
     assert caught.value.code() == code, caught.value
     return caught.value
+
+
+@contextlib.contextmanager
+def sync_pair(cluster):
+    """Two clients taking part in sync steps of two (replicas=2), and "w" of 4 (SGD, lr 1)."""
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as b:
+        a.declare("w", (4,), optimizer=sgd(1.0))
+        for ps in (a, b):
+            ps.join_steps("sync", replicas=2)
+        yield a, b
 
 
 def together(spawn, *fns) -> list:
@@ -279,11 +291,7 @@ def test_sync_a_gradient_for_a_step_already_applied_is_dropped_and_counted(make_
 
 def test_sync_a_push_whose_answer_was_lost_is_applied_once(make_cluster, spawn):
     cluster = make_cluster(servers=1)
-    with PSClient(cluster.coordinator_address) as a, \
-            PSClient(cluster.coordinator_address) as b:
-        a.declare("w", (4,), optimizer=sgd(1.0))
-        for ps in (a, b):
-            ps.join_steps("sync", replicas=2)
+    with sync_pair(cluster) as (a, b):
         # The first push to run is applied in the step's average, then its answer is lost:
         # its retry must find it applied (the ledger entry came with the step).
         cluster.faults.drop_response_next("Push", 1)
@@ -304,11 +312,7 @@ def test_sync_a_push_whose_answer_was_lost_is_applied_once(make_cluster, spawn):
 def test_sync_a_step_whose_sum_overflows_is_refused_whole_and_the_next_goes_on(
         make_cluster, spawn):
     cluster = make_cluster(servers=1)
-    with PSClient(cluster.coordinator_address) as a, \
-            PSClient(cluster.coordinator_address) as b:
-        a.declare("w", (4,), optimizer=sgd(1.0))
-        for ps in (a, b):
-            ps.join_steps("sync", replicas=2)
+    with sync_pair(cluster) as (a, b):
         big = np.full(4, 3e38, np.float32)  # finite; two of them sum past float32's max
         first = spawn(a.push, {"w": big})
         second = spawn(b.push, {"w": big})
@@ -321,6 +325,7 @@ def test_sync_a_step_whose_sum_overflows_is_refused_whole_and_the_next_goes_on(
         together(spawn, lambda: a.push({"w": np.full(4, 1.0, np.float32)}),
                  lambda: b.push({"w": np.full(4, 3.0, np.float32)}))
         np.testing.assert_array_equal(a.pull("w"), np.full(4, -2.0, np.float32))
+
 
 def test_join_steps_refuses_a_bad_mode_before_asking_any_server(make_cluster):
     cluster = make_cluster(servers=1)
