@@ -216,9 +216,10 @@ class CoordinatorClient:
             worker_id=worker_id, incarnation=incarnation, message=message))
         return reply.job_failed
 
-    def status(self) -> dict:
-        """The cluster status as JSON-ready data (what `ps-ctl status --json` prints)."""
-        s = self._call("GetStatus", pb.GetStatusRequest())
+    def status(self, *, watching: bool = False) -> dict:
+        """The cluster status as JSON-ready data (what `ps-ctl status --json` prints).
+        `watching`: this client reads it until the job is over (GetStatusRequest.watching)."""
+        s = self._call("GetStatus", pb.GetStatusRequest(watching=watching))
         job = s.job
         return {
             "job": {

@@ -493,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(coordinator.checkpoint()))
                     return 0
                 if args.command == "status" and args.watch is not None:
-                    return watch(coordinator.status, interval_s=args.watch,
+                    return watch(lambda: coordinator.status(watching=True),
+                                 interval_s=args.watch,
                                  as_json=args.json, count=args.count)
                 status = coordinator.status()
         except KeyboardInterrupt:  # Ctrl-C, e.g. ending --watch

@@ -836,12 +836,20 @@ Global___EvaluationReadParametersReply: _TypeAlias = EvaluationReadParametersRep
 class GetStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    WATCHING_FIELD_NUMBER: _builtins.int
+    watching: _builtins.bool
+    """The caller reads the status again and again until the job is over (ps-ctl status
+    --watch): a coordinator whose job ends stays up, for a bounded time, until each such
+    caller has read the outcome.
+    """
     def __init__(
         self,
+        *,
+        watching: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["watching", b"watching"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

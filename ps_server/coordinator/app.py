@@ -24,6 +24,7 @@ from ps_server.coordinator.jobs import EpochSummary, JobRunner, JobState
 from ps_server.coordinator.persistence import StateFile
 from ps_server.coordinator.servicer import CoordinatorServicer
 from ps_server.coordinator.state import CoordinatorState
+from ps_server.coordinator.status_watchers import MAX_LINGER_S, StatusWatchers
 from ps_server.daemon import Daemon
 from ps_server.telemetry import CoordinatorCollector
 
@@ -169,11 +170,13 @@ class Coordinator:
         # Servers are told the job is over only after its last checkpoint.
         self._servers_may_stop = threading.Event()
         self.clients = ClientRegistry(incarnations, retired)
+        self.watchers = StatusWatchers(self._clock)
         servicer = CoordinatorServicer(
             self.state, self._assigner, self.runner, self.clients,
             retired, incarnations, token=token, heartbeat_interval_s=config.heartbeat_interval_s,
             keep_serving=config.keep_serving, checkpointer=self.checkpointer,
-            servers_may_stop=self._servers_may_stop.is_set, save_progress=self._save_state)
+            servers_may_stop=self._servers_may_stop.is_set, save_progress=self._save_state,
+            watchers=self.watchers)
         self.metrics = (None if config.metrics_port is None else MetricsEndpoint(
             config.host, config.metrics_port, name="ps-coordinator"))
         try:
@@ -337,6 +340,11 @@ class Coordinator:
             servers_left = [m for m in self.state.live_servers() if not m.told_to_stop]
             if not servers_left and self.runner.live_workers() == 0:
                 break
+        # ps-ctl status --watch and the like: each reads the outcome before this exits.
+        deadline = self._clock.monotonic() + MAX_LINGER_S
+        while (self.watchers.waiting() and self._clock.monotonic() < deadline
+               and not self._stopping.wait(0.1)):
+            pass
         self.on_job_over(self.runner.summary())
         threading.Thread(target=self.stop, name="ps-coordinator-stop", daemon=True).start()
 

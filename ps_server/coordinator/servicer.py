@@ -12,6 +12,7 @@ from ps_server.coordinator.identity import ClientRegistry, Incarnations, Retired
 from ps_server.coordinator.jobs import JobRunner, Metrics, StepReport
 from ps_server.coordinator.placement import server_loads
 from ps_server.coordinator.state import CoordinatorState, HeldReport, ServerReport
+from ps_server.coordinator.status_watchers import StatusWatchers
 
 _ACTIONS = {"continue": pb.CONTINUE, "reregister": pb.REREGISTER, "stop": pb.STOP}
 # The longest a LeaseTask waits for a task, whatever its wait_ms: a worker that waits asks
@@ -26,8 +27,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                  clients: ClientRegistry, retired: RetiredLog, incarnations: Incarnations, *,
                  token: bytes,
                  heartbeat_interval_s: float, keep_serving: bool, checkpointer=None,
-                 servers_may_stop=lambda: True, save_progress=lambda: None):
+                 servers_may_stop=lambda: True, save_progress=lambda: None,
+                 watchers: StatusWatchers | None = None):
         self._state = state
+        self._watchers = watchers
         self._assigner = assigner
         self._runner = runner
         self._clients = clients
@@ -210,6 +213,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def GetStatus(self, request, context):
         with translate_errors(context, "GetStatus"):
             snap = self._runner.snapshot()
+            if request.watching and self._watchers is not None:
+                self._watchers.read(context.peer(), self._runner.over)
             shard_map = self._state.shard_map
             loads = server_loads(shard_map)
             servers = [pb.ServerStatus(

@@ -183,3 +183,26 @@ def test_a_lease_whose_answer_was_lost_gets_the_same_task_on_its_retry():
         assert outcome == "task" and faults.calls["LeaseTask"] == 2  # one retry
         [row] = [w for w in coordinator.runner.snapshot()["workers"] if w["worker_id"] == "w0"]
         assert row["leased_tasks"] == [task.task_id]
+
+
+def test_a_coordinator_whose_job_is_over_waits_for_its_status_watcher_to_read_it():
+    """ps-ctl status --watch: the coordinator exits soon after its job, once its members are
+    told, but not before a caller watching the status has read the outcome."""
+    config = CoordinatorConfig(job=JobSpec(epochs=1, tasks_per_epoch=1, evaluate_every=0),
+                               heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0,
+                               grace_s=1.0, recovery_grace_s=0.0)
+    coordinator = Coordinator(config).start()
+    try:
+        with CoordinatorClient(coordinator.address, give_up_after_s=5) as worker, \
+                CoordinatorClient(coordinator.address, give_up_after_s=5) as watcher:
+            assert watcher.status(watching=True)["job"]["state"] == "running"
+            w0 = worker.register_worker("w0").incarnation
+            outcome, task = worker.lease("w0", w0)
+            assert outcome == "task"
+            worker.complete("w0", w0, task.task_id, loss_sum=1.0, examples=4, correct=2,
+                            steps=1, seconds=0.1)
+            assert worker.lease("w0", w0) == ("done", None)  # every member told
+            assert watcher.status(watching=True)["job"]["state"] == "done"
+        assert coordinator.wait(BOUND_S)  # then it exits
+    finally:
+        coordinator.stop(grace_s=0.5)

@@ -39,6 +39,7 @@ DOMAIN_MODULES = [
     "ps_server/coordinator/placement.py",
     "ps_server/coordinator/state.py",
     "ps_server/coordinator/jobs.py",
+    "ps_server/coordinator/status_watchers.py",
     "ps_server/coordinator/persistence.py",
     "ps_server/coordinator/checkpointer.py",
     "ps_common/checkpoints.py",
