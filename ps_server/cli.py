@@ -127,14 +127,17 @@ def server_main(argv: list[str] | None = None) -> int:
     signals = StopSignals()  # from here on a signal stops the server gracefully
     try:
         server = ParameterServer(config).start()
-    except MetricsBindError as error:
-        print(f"ps-server: --metrics-port: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        where = (f"{TF_CONFIG_ENV} (cluster.ps[{task.index}] {task.address})" if task
-                 else "--host/--port")
-        print(f"ps-server: {where}: {error}", file=sys.stderr)
-        return 1
+    except BaseException as error:
+        signals.restore()  # no server to stop: a signal ends the process again
+        if isinstance(error, MetricsBindError):
+            print(f"ps-server: --metrics-port: {error}", file=sys.stderr)
+            return 1
+        if isinstance(error, OSError):
+            where = (f"{TF_CONFIG_ENV} (cluster.ps[{task.index}] {task.address})" if task
+                     else "--host/--port")
+            print(f"ps-server: {where}: {error}", file=sys.stderr)
+            return 1
+        raise
     def announce():
         if server.metrics is not None:  # before the ready line: there once that is
             print(f"ps-server {server.server_id} metrics on {server.metrics.url}", flush=True)

@@ -94,7 +94,9 @@ class DynamicRows:
     def reserve(self, ids: np.ndarray) -> None:
         """Grow the pool now, if `locate(ids)` would need it to: the only step of `locate`
         that may be refused (the memory budget). Changes no row: a push to several tables
-        reserves for every one before it locates any (ShardStore.apply)."""
+        reserves for every one before it locates any (ShardStore.apply). Rows past their
+        ttl are freed first, as `locate` frees them, so that their room is used."""
+        self.expire(self._clock())
         rows = self.find(ids)
         new = int(np.count_nonzero(rows == FREE))
         if new:

@@ -213,6 +213,7 @@ class PushLedger:
         """Adopt a checkpointed ledger, before any push reaches the shards restored with it.
         What this ledger learned since it started (nothing, on a server that restarts) is
         kept where it is newer."""
+        merges = []
         with self._lock:
             for cid, incarnation in state.get("fences", {}).items():
                 if incarnation > self._fences.get(cid, 0) and cid not in self._clients:
@@ -222,11 +223,7 @@ class PushLedger:
                 if known is not None and known.incarnation > incarnation:
                     continue
                 if known is not None and known.incarnation == incarnation:
-                    # Pushes since this server started (to shards that were not restored
-                    # with these, say) and those the checkpoint holds: both were applied.
-                    with known.lock:
-                        known.applied |= set(applied)
-                        self._compact(known, max(known.floor, floor))
+                    merges.append((cid, known, incarnation, floor, applied))  # record lock first
                     continue
                 if self._fences.get(cid, 0) >= incarnation:
                     continue
@@ -236,6 +233,16 @@ class PushLedger:
                 self._clients[cid] = _ClientRecord(incarnation, floor, set(applied))
             while len(self._fences) > self._max_clients:
                 self._fences.popitem(last=False)
+        # Pushes since this server started (to shards that were not restored with these,
+        # say) and those the checkpoint holds: both were applied. Each record's lock is taken
+        # without the table's, as everywhere (a record's lock, then the table's).
+        for cid, known, incarnation, floor, applied in merges:
+            with known.lock:
+                with self._lock:
+                    current = self._clients.get(cid) is known and not known.retired
+                if current and known.incarnation == incarnation:
+                    known.applied |= set(applied)
+                    self._compact(known, max(known.floor, floor))
 
     def pending(self, client_id: str) -> int:
         """How many sequences above the floor are remembered for `client_id` (for tests)."""

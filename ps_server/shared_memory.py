@@ -173,8 +173,8 @@ class SharedMemory:
                 # The least recently used connection no client has proven yet, if any: a
                 # stream of handshakes that are never proven (a caller on another host,
                 # say) must not end the connections of the workers that share this host.
-                unproven = next((s for s in self._connections.values() if s.probe is not None),
-                                None)
+                unproven = next((s for s in self._connections.values()
+                                 if s.probe is not None and s is not connection), None)
                 old = unproven or next(iter(self._connections.values()))
                 del self._connections[old.id]
                 ended.append(old)
@@ -317,6 +317,11 @@ def clear_dead() -> int:
               if path.name.startswith(shm.PREFIX) and path.name.endswith(".control")
               and not shm.owner_alive(path.name) and shm.owner_locked(path)}
     for path in entries:
+        if path.name.startswith("." + shm.PREFIX) and path.name.endswith(".new"):
+            # A control segment its maker died before renaming (shm.create(locked=True)).
+            if not shm.owner_alive(path.name[1:]) and not shm.owner_locked(path):
+                shm.unlink(path)
+            continue
         if (not path.name.startswith(shm.PREFIX) or shm.owner_alive(path.name)
                 or shm.owner_prefix(path.name) in locked):
             continue

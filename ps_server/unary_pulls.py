@@ -85,10 +85,11 @@ class UnaryPulls:
         # A memoryview is looked up by a copy of its bytes: hashing a view hashes the whole
         # object it views first (PushThenPull's pull is a view of a message that carries a
         # push: over 1 MiB hashed per call, where the copy is a few dozen bytes).
-        pull = self._remembered.get(bytes(request))
+        key = bytes(request)
+        pull = self._remembered.get(key)
         if pull is None or pull.version == self._store.placement_version:
             return pull
-        self._remembered.pop(request, None)
+        self._remembered.pop(key, None)
         return None
 
     def remember(self, request: bytes | memoryview, version: int,

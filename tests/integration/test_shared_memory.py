@@ -669,6 +669,16 @@ def test_clear_dead_removes_segments_of_dead_servers_and_keeps_live_ones(dead_pi
     assert live.path.exists() and not live.retired
 
 
+
+def test_clear_dead_removes_a_control_segment_its_dead_maker_never_renamed(dead_pid):
+    half_made = shm.DIRECTORY / f".{shm.PREFIX}{dead_pid}.777.1.control.{dead_pid}.new"
+    half_made.write_bytes(b"")
+    try:
+        server_shm.clear_dead()
+        assert not half_made.exists()
+    finally:
+        shm.unlink(half_made)
+
 def test_a_starting_server_clears_what_a_dead_server_left(dead_pid, planted):
     serial = 900_000 + (uuid.uuid4().int % 99_999)
     control = planted(f"{shm.PREFIX}{dead_pid}.777.{serial}.control")
@@ -752,6 +762,21 @@ def test_handshakes_never_proven_do_not_end_a_proven_connection(make_cluster, mo
         assert cluster.faults.socket_calls == through_socket + 2  # both through its slot
     np.testing.assert_array_equal(grpc_pull(cluster, "w"), np.full(4, -3.0, np.float32))
 
+
+
+def test_a_new_connection_makes_room_when_every_other_one_is_proven(monkeypatch):
+    monkeypatch.setattr(server_shm, "MAX_CONNECTIONS", 2)
+    memory = server_shm.SharedMemory()
+    try:
+        first = memory.open_connection("a")
+        for client in ("a", "b"):
+            made = first if client == "a" else memory.open_connection(client)
+            assert memory.connection(made.id, made.secret) is made  # proven
+        new = memory.open_connection("c")
+        assert not new.ended and memory.connection(new.id, new.secret) is new
+        assert first.ended  # the least recently used made room
+    finally:
+        memory.close()
 
 # ---- a server told to exit by its coordinator ----------------------------------------------------
 

@@ -177,3 +177,27 @@ def test_a_daemon_open_to_the_network_warns_what_it_lacks(certs, caplog, token, 
     else:
         assert len(warnings) == 1 and expected in warnings[0] and "0.0.0.0" in warnings[0]
         assert "a-token" not in warnings[0]
+
+
+def test_a_pair_of_a_small_rsa_key_grpc_serves_is_not_refused(tmp_path):
+    """The pair check asks only whether key and certificate belong together, not whether
+    OpenSSL's default security level would take the key (gRPC serves RSA-1024)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1)
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    assert TLS.from_files(cert=tmp_path / "c.pem", key=tmp_path / "k.pem") is not None

@@ -122,3 +122,22 @@ def test_ps_cluster_checks_sizes_and_names_a_childs_refusal(tmp_path, capsys):
                    "--checkpoint-every: 'often': expected seconds\n")
     child = SimpleNamespace(name="coordinator", log_path=log)
     assert "--checkpoint-every: 'often'" in cluster_cli._last_error(child)
+
+
+def test_a_server_that_fails_to_start_gives_the_signals_back(monkeypatch):
+    import signal
+    import socket
+
+    monkeypatch.setattr(server_cli, "setup_logging", lambda level: None)  # process-wide:
+    monkeypatch.setattr(server_cli, "tune_malloc", lambda **kwargs: True)  # not in a test
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            assert server_cli.server_main(["--port", str(port), "--no-shm"]) == 1
+        assert {s: signal.getsignal(s) for s in before} == before
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -83,3 +83,19 @@ def test_ids_of_another_shard_are_refused_on_push_and_pull(dynamic):
         store.plan_pull(1, [("t", 0)], None, [foreign])
     (held,) = store.lookup([("t", 0)])
     assert held.dynamic is None or held.dynamic.rows_held == 0
+
+
+def test_rows_past_their_ttl_make_room_before_the_pool_is_grown():
+    now = [0.0]
+
+    def admit(nbytes: int) -> None:
+        raise ResourceExhausted("no room")  # the pool may not grow at all
+
+    rows = DynamicRows(DIM, "float32", capacity=0, ttl_s=10.0,
+                       make_rows=lambda ids: np.zeros((len(ids), DIM), np.float32),
+                       make_slots=lambda n: {}, clock=lambda: now[0], admit=None)
+    rows.locate(np.arange(64, dtype=np.int64))  # the whole first pool
+    rows._admit = admit
+    now[0] = 100.0  # every row is past its ttl
+    rows.reserve(np.arange(1000, 1064, dtype=np.int64))  # their room, no growth
+    assert rows.rows_held == 0 and len(rows.values) == 64
