@@ -563,7 +563,10 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
             # was descheduled must not meet workers that have since finished the job and exited.
             workers_gone = bool(workers) and all(w.returncode is not None for w in workers)
             try:
-                status = client.status()
+                # Watching: the coordinator, its job over, waits for this read of the outcome
+                # before it exits, so every epoch's line is shown even of a job that ends
+                # between two reads.
+                status = client.status(watching=True)
             except (CoordinatorUnreachable, RemoteError):
                 # The coordinator is exiting (its summary is read at the top of the loop),
                 # restarting (chaos) or briefly busy; a persistent problem ends when the
