@@ -221,8 +221,8 @@ def test_port_in_use_exits_nonzero_naming_the_flag(program):
 
 
 def test_sigterm_lets_a_push_in_flight_finish_and_exits_zero(spawn):
-    """SIGTERM arrives after the first chunk of a push is on the wire: the server stops taking
-    new RPCs but finishes this one within its grace period, applies it, and exits 0."""
+    """SIGTERM arrives while a push is on the wire: the server stops taking new RPCs but
+    finishes this one within its grace period, applies it, and exits 0."""
     import grpc
 
     from ps_proto.v1 import parameter_server_pb2 as ps_pb
@@ -239,16 +239,23 @@ def test_sigterm_lets_a_push_in_flight_finish_and_exits_zero(spawn):
         ps.declare("w", shape=(rows, cols), optimizer=SGD1)
         epoch = ps.shard_map.epoch
     payload = np.ones((rows, cols), np.float32).tobytes()
-    first_sent = threading.Event()
+    pushing = threading.Event()
     header = ps_pb.PushHeader(
         client_id="sigterm-test", incarnation=1, sequence=1, epoch=epoch,
         shards=[ps_pb.ShardRef(variable="w", index=0)],
         tensors=[tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[rows, cols])])
 
+    # gRPC asks for a chunk once the one before is written to the transport, which buffers
+    # at most the server's receive window (1 MiB, --receive-window) of a stream it has not
+    # taken in: once 1.5 MiB have been asked for, the call is on the server, not only queued
+    # on the client (a SIGTERM then would refuse it as a new call: UNAVAILABLE).
+    on_the_server = 3 * (1 << 20) // 2 // chunk
+
     def chunks():
         yield ps_pb.PushChunk(header=header, data=payload[:chunk])
-        first_sent.set()
-        for start in range(chunk, len(payload), chunk):
+        for index, start in enumerate(range(chunk, len(payload), chunk), 1):
+            if index == on_the_server:
+                pushing.set()
             yield ps_pb.PushChunk(data=payload[start:start + chunk])
 
     outcome = {}
@@ -262,7 +269,7 @@ def test_sigterm_lets_a_push_in_flight_finish_and_exits_zero(spawn):
 
     pusher = threading.Thread(target=push, name="sigterm-test-push")
     pusher.start()
-    assert first_sent.wait(30)
+    assert pushing.wait(30)
     server.popen.send_signal(signal.SIGTERM)
     pusher.join(40)
     assert not pusher.is_alive()

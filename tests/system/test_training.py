@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from child_processes import EXIT_S, POLL_S, READY_S, Proc
+from ps_server.coordinator.status_watchers import MAX_LINGER_S
 from ps_worker.coordinator_client import CoordinatorClient, LeaseRevoked
 
 pytestmark = pytest.mark.system
@@ -293,9 +294,11 @@ def test_ps_cluster_reports_the_outcome_even_if_it_missed_the_end(launch, tmp_pa
         observer.release()
     finally:
         observer.close()
-    # Until the coordinator has exited (a zombie: its parent, ps-cluster, is paused).
+    # Until the coordinator has exited (a zombie: its parent, ps-cluster, is paused). It
+    # waits for ps-cluster, which watches the status, to read the outcome: at most
+    # MAX_LINGER_S, and then exits all the same.
     job_file = str(log_dir / "job.json")
-    deadline = time.monotonic() + EXIT_S
+    deadline = time.monotonic() + EXIT_S + MAX_LINGER_S
     while processes_mentioning(job_file):
         assert time.monotonic() < deadline, processes_mentioning(job_file)
         time.sleep(POLL_S)

@@ -32,7 +32,7 @@ class FinishingCluster:
     def __exit__(self, *exc):
         return False
 
-    def status(self):
+    def status(self, *, watching: bool = False):
         if self.coordinator.returncode is not None:
             raise AssertionError("status asked of a coordinator that has exited")
         for worker in self.workers:
@@ -61,7 +61,7 @@ def test_workers_gone_while_the_job_still_runs_is_an_error(tmp_path, monkeypatch
     workers[0].returncode = 1
 
     class StillRunning(FinishingCluster):
-        def status(self):
+        def status(self, *, watching: bool = False):
             return {"job": {"state": "running", "steps": 3, "metrics": []}}
 
     monkeypatch.setattr(cluster, "CoordinatorClient", StillRunning(coordinator, workers))
