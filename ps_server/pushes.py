@@ -160,10 +160,10 @@ class PushReceiver:
                     "gradients only; train embedding tables in async or ssp:K")
             # The step's sum holds a copy: a slot read through its mapping is dropped from
             # this process before the wait for the other clients, not after it.
-            return self.steps.contribute(
-                Contribution(header.client_id, header.incarnation, header.sequence,
-                             header.acked_through, header.refuse_non_finite), header.step, targets, grads,
-                copied=getattr(read_block, "finish", None))
+            contribution = Contribution(header.client_id, header.incarnation, header.sequence,
+                                        header.acked_through, header.refuse_non_finite)
+            return self.steps.contribute(contribution, header.step, targets, grads,
+                                         copied=getattr(read_block, "finish", None))
         # Shared with other pushes, exclusive of a checkpoint's cut: a push is in a
         # checkpoint with its ledger entry, or not at all.
         with self._store.gate.shared(), self._ledger.exactly_once(

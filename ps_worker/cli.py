@@ -15,7 +15,8 @@ from typing import Mapping
 
 from ps_common.cli import (
     add_metrics_argument, add_shared_memory_argument, add_tls_arguments, add_token_argument,
-    die_with_parent, parse_address, parse_seconds, parse_seconds_or_zero, setup_logging, tf_config_task, tls_of, token_of,
+    die_with_parent, parse_address, parse_seconds, parse_seconds_or_zero, setup_logging,
+    tf_config_task, tls_of, token_of,
 )
 from ps_common.job import JobError
 from ps_common.malloc import tune_malloc

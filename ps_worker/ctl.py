@@ -391,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "object per line")
     status.add_argument("--count", type=int, metavar="N",
                         help="with --watch: stop after N refreshes (exit 0)")
-    status.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS, metavar="SECONDS",
-                        help="as the --timeout before the command")
+    status.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS,
+                        metavar="SECONDS", help="as the --timeout before the command")
     checkpoint = sub.add_parser("checkpoint", help="take a checkpoint now; prints its id "
                                 "and step as JSON once it is complete")
     checkpoint.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS,
@@ -405,16 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     drawing.add_argument("--from", dest="source", metavar="FILE",
                          help="read the status from FILE (what `ps-ctl status --json` printed; "
                          "- for stdin) instead of asking the coordinator")
-    drawing.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS, metavar="SECONDS",
-                         help="as the --timeout before the command")
+    drawing.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS,
+                         metavar="SECONDS", help="as the --timeout before the command")
     probe = sub.add_parser("probe", help="ask a daemon's gRPC health service whether it "
                            "serves: exit 0 when SERVING, 1 otherwise (for container and "
                            "Kubernetes probes, over TLS where native gRPC probes cannot go)")
     probe.add_argument("address", type=parse_address, help="the daemon's HOST:PORT")
     probe.add_argument("--service", default="",
                        help="the service to ask about (default: the whole daemon)")
-    probe.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS, metavar="SECONDS",
-                       help="as the --timeout before the command")
+    probe.add_argument("--timeout", type=parse_seconds, default=argparse.SUPPRESS,
+                       metavar="SECONDS", help="as the --timeout before the command")
     for flag in ("--tls-ca", "--tls-cert", "--tls-key"):  # also after `probe`, as probes write
         probe.add_argument(flag, metavar="FILE", default=argparse.SUPPRESS,
                            help=f"as the {flag} before the command")
