@@ -321,3 +321,30 @@ def test_a_checkpoint_restored_after_the_client_pushed_here_keeps_both_records()
     assert not ledger.applied("c", 1, 4)
     ledger.restore({"clients": {"c": [0, 9, []]}, "fences": {}})  # an older incarnation's
     assert not ledger.applied("c", 1, 4)
+
+
+def test_a_restore_that_merges_takes_the_record_lock_without_the_table_lock():
+    """Locks go a record's, then the table's (retire() takes them so): a restore that
+    merges into a known record must not hold the table's lock while it waits for the
+    record's, or the two deadlock."""
+    ledger = PushLedger()
+    with ledger.exactly_once("c", 1, 3, 0):
+        pass
+    record = ledger._clients["c"]
+    held_table_lock = []
+
+    class Spy:
+        def __init__(self, lock):
+            self._lock = lock
+
+        def __enter__(self):
+            held_table_lock.append(ledger._lock.locked())
+            return self._lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self._lock.__exit__(*exc)
+
+    record.lock = Spy(record.lock)
+    ledger.restore({"clients": {"c": [1, 1, [2]]}, "fences": {}})
+    assert held_table_lock == [False]
+    assert all(ledger.applied("c", 1, s) for s in (1, 2, 3))
