@@ -516,13 +516,15 @@ class ShardStore:
         updates the touched rows only."""
         rows = rows or [None] * len(targets)
         with self._updating(targets):
-            # Every row found (or made) before anything changes, and every dynamic table's
-            # pool grown first: one refused room (the memory budget) leaves every shard of
-            # the push as it was, none of its rows evicted.
-            for held, touched in zip(targets, rows):
-                if touched is not None and held.dynamic is not None:
-                    held.dynamic.reserve(touched[0])
-                    held.sync_pool()
+            # Every row found (or made) before anything changes. A dynamic table grows its
+            # pool before it evicts (locate), so a refused growth (the memory budget) leaves
+            # it as it was; a push to several of them grows every pool first (reserve: a
+            # second look-up of the ids, paid only then), so none of their rows is evicted.
+            tables = [(held, touched[0]) for held, touched in zip(targets, rows)
+                      if touched is not None and held.dynamic is not None]
+            for held, ids in tables if len(tables) > 1 else ():
+                held.dynamic.reserve(ids)
+                held.sync_pool()
             local = [None if touched is None else self._local_rows(held, touched[0])
                      for held, touched in zip(targets, rows)]
             for held, grad, touched, where in zip(targets, grads, rows, local):
