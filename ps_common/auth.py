@@ -45,14 +45,22 @@ def read_token_file(path: str | os.PathLike) -> str:
 
 def token_from(flag_value: str | None) -> str | None:
     """The token of a command: its --token-file, else the file PARAMSERVE_TOKEN_FILE names,
-    else None (no token). Raises ValueError naming the flag or variable at fault."""
-    if flag_value:
+    else None (no token). Raises ValueError naming the flag or variable at fault, also when
+    either is given but empty."""
+    # An empty value (a templated `--token-file "$FILE"` whose variable is unset) is an
+    # error, not "no token": a daemon must not come up open when its owner asked for a token.
+    if flag_value is not None:
+        if not flag_value:
+            raise ValueError("--token-file: is empty: give the path of the token file")
         try:
             return read_token_file(flag_value)
         except ValueError as error:
             raise ValueError(f"--token-file: {error}") from None
     from_env = os.environ.get(TOKEN_FILE_ENV)
-    if from_env:
+    if from_env is not None:
+        if not from_env:
+            raise ValueError(f"{TOKEN_FILE_ENV} is set but empty: give the path of the token "
+                             "file, or unset it for no token")
         try:
             return read_token_file(from_env)
         except ValueError as error:

@@ -184,8 +184,9 @@ class RpcMetrics(grpc.ServerInterceptor):
             "rpc_in_flight", "Calls being handled now", ["method"], namespace=NAMESPACE,
             registry=registry)
         self._per_method: dict[str, _MethodMetrics] = {}
-        # method -> (the handler seen last, its wrapped version): a server's handlers are
-        # long-lived, so each is wrapped once (a refused call's handler is made per call).
+        # method -> (the handler seen last, its wrapped version), for the daemon's own methods:
+        # their handlers are long-lived, so each is wrapped once (a refused call's handler is
+        # made per call).
         self._wrapped: dict[str, tuple] = {}
 
     def _metrics_of(self, method: str) -> _MethodMetrics:
@@ -204,7 +205,8 @@ class RpcMetrics(grpc.ServerInterceptor):
         if cached is not None and cached[0] is handler:
             return cached[1]
         wrapped = self._wrap(handler, self._metrics_of(method))
-        self._wrapped[method] = (handler, wrapped)
+        if method in self._methods:  # a caller names any method it likes: keep none of those
+            self._wrapped[method] = (handler, wrapped)
         return wrapped
 
     def _wrap(self, handler, metrics: _MethodMetrics):

@@ -134,6 +134,24 @@ def test_a_bad_token_file_is_refused_naming_the_flag_or_the_variable(module, tmp
     assert "empty" in by_env.stderr
 
 
+@pytest.mark.parametrize("module", ["ps_server.cli", "ps_server.coordinator.cli",
+                                    "ps_worker.cli", "ps_worker.ctl"])
+def test_an_empty_token_file_value_is_refused_not_taken_for_no_token(module):
+    # `--token-file "$FILE"` with $FILE unset must not bring a daemon up open.
+    extra = {"ps_worker.cli": ["--coordinator", "127.0.0.1:1"],
+             "ps_worker.ctl": ["--coordinator", "127.0.0.1:1"]}.get(module, [])
+    tail = ["status"] if module == "ps_worker.ctl" else []
+    env = {"PATH": "/usr/bin:/bin"}
+    by_flag = subprocess.run([sys.executable, "-m", module, *extra, "--token-file", "", *tail],
+                             capture_output=True, text=True, timeout=WAIT_S, env=env)
+    assert by_flag.returncode != 0, by_flag.stderr
+    assert "--token-file: is empty" in by_flag.stderr, by_flag.stderr
+    by_env = subprocess.run([sys.executable, "-m", module, *extra, *tail], capture_output=True,
+                            text=True, timeout=WAIT_S, env={**env, TOKEN_FILE_ENV: ""})
+    assert by_env.returncode != 0, by_env.stderr
+    assert f"{TOKEN_FILE_ENV} is set but empty" in by_env.stderr, by_env.stderr
+
+
 class _RecordReplies(grpc.UnaryUnaryClientInterceptor):
     def __init__(self, replies: list[bytes]):
         self._replies = replies

@@ -4,6 +4,7 @@ servicer context."""
 
 from __future__ import annotations
 
+import tracemalloc
 from types import SimpleNamespace
 
 import grpc
@@ -149,6 +150,28 @@ def test_calls_refused_for_want_of_the_token_are_counted_and_reach_nothing(regis
                  code="UNAUTHENTICATED") == 1
     assert value(registry, "paramserve_rpc_handled_total", method="/made.Up/Method",
                  code="UNAUTHENTICATED") == 0
+
+
+def test_refused_calls_to_made_up_methods_leave_nothing_behind(rpc):
+    # An unauthenticated caller names any method it likes, as long as it likes: what the
+    # daemon keeps per call must not grow with them.
+    def refused_made_up(i):
+        method = f"/made.Up/Method{i}{'x' * 2000}"
+        handler = rpc.intercept_service(
+            lambda d: TokenCheck("secret").intercept_service(lambda _: None, d),
+            details(method))
+        assert call(handler, b"x", FakeContext()) is None
+
+    refused_made_up(-1)  # the "other" label's metrics are made once
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(300):
+            refused_made_up(i)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 100_000, f"{kept} bytes kept after 300 refused calls of 2 KB names"
 
 
 def test_an_unknown_method_without_a_token_is_left_to_grpc(rpc):
