@@ -20,6 +20,8 @@ from pathlib import Path
 
 import grpc
 
+from ps_common.status import bounded
+
 log = logging.getLogger(__name__)
 
 TOKEN_FILE_ENV = "PARAMSERVE_TOKEN_FILE"
@@ -85,9 +87,9 @@ class TokenCheck(grpc.ServerInterceptor):
             return continuation(handler_call_details)
 
         def refuse(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"{method}: missing or wrong token; give every process of the "
-                          f"cluster the same token (--token-file, or {TOKEN_FILE_ENV})")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, bounded(
+                f"{method}: missing or wrong token; give every process of the cluster the "
+                f"same token (--token-file, or {TOKEN_FILE_ENV})"))
 
         # The refusal takes the method's own shape; one that does not exist is refused too
         # (an unauthenticated caller learns nothing, not even which methods there are).

@@ -20,7 +20,7 @@ from ps_common.auth import with_token
 from ps_common.tls import TLS
 
 from ps_common.clock import Clock, SystemClock
-from ps_common.status import RemoteError
+from ps_common.status import RemoteError, bounded
 
 # Tensor bytes are streamed in chunks of this size, well under gRPC's 4 MiB default message
 # limit (leaving room for headers), so no peer ever needs its limits raised.
@@ -112,6 +112,57 @@ def make_server(max_workers: int = 16, interceptors=(),
                          options=SERVER_OPTIONS + receive_window_options(receive_window_bytes),
                          interceptors=list(interceptors))
     return server, executor
+
+
+class MalformedRequests(grpc.ServerInterceptor):
+    """Ends a call whose request is not a message of its method with INVALID_ARGUMENT:
+    gRPC's own answer, when a request deserializer raises, is INTERNAL ("Exception
+    deserializing request!"), which tells the client nothing about its mistake. Install it
+    after the token check, before any interceptor that reads requests: it then wraps only
+    handlers of methods the daemon serves, and the interceptors after it see only real
+    requests. Calls that stream requests decode each message in their handler (Push), and
+    are left alone.
+    """
+
+    def __init__(self):
+        self._wrapped: dict[str, tuple] = {}  # method -> (its handler, the wrapped one)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = _refusing_malformed(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+class _Malformed:
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _refusing_malformed(handler, method: str):
+    parse = handler.request_deserializer
+    kind = "unary_unary" if handler.unary_unary else "unary_stream"
+    behavior = getattr(handler, kind)
+
+    def deserialize(raw: bytes):
+        try:
+            return parse(raw)
+        except Exception as error:  # protobuf's DecodeError and friends
+            return _Malformed(bounded(f"{method}: the request is not a message of this method "
+                                      f"({type(error).__name__}: {error}); nothing was done"))
+
+    def run(request, context):
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return behavior(request, context)
+
+    return handler._replace(request_deserializer=deserialize, **{kind: run})
 
 
 def bind(server: grpc.Server, host: str, port: int,

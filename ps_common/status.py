@@ -45,6 +45,23 @@ def with_connection_hint(message: str) -> str:
     return message if hint is None else f"{hint} (gRPC: {message})"
 
 
+# A status travels in the answer's trailing metadata, twice (grpc-message, percent-encoded,
+# and the google.rpc.Status beside it), which a client refuses past 8-16 KiB: it would then
+# see RESOURCE_EXHAUSTED from its own transport instead of the error. A message that quotes
+# a long request (a made-up name of a megabyte) keeps its start and its end.
+MAX_MESSAGE_BYTES = 1024
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """`message`, shortened in the middle to at most about `limit` bytes of UTF-8."""
+    encoded = message.encode()
+    if len(encoded) <= limit:
+        return message
+    head = encoded[:limit * 3 // 4].decode(errors="ignore")
+    tail = encoded[-(limit // 4):].decode(errors="ignore")
+    return f"{head} [... {len(encoded) - len(head.encode()) - len(tail.encode())} bytes ...] {tail}"
+
+
 def status_of(error: PSError) -> status_pb2.Status:
     """The google.rpc.Status a handler that raised `error` ends with: its code, public
     message and typed details (StaleEpoch, RetryInfo)."""
@@ -60,8 +77,8 @@ def status_of(error: PSError) -> status_pb2.Status:
         delay.FromNanoseconds(int(error.retry_after_s * 1e9))
         detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
         details.append(detail)
-    return status_pb2.Status(code=getattr(code_pb2, error.code), message=error.message,
-                             details=details)
+    return status_pb2.Status(code=getattr(code_pb2, error.code),
+                             message=bounded(error.message), details=details)
 
 
 def internal_status(method: str) -> status_pb2.Status:

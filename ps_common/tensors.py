@@ -73,6 +73,9 @@ def finite_in_both(wire: str, stored: str) -> bool:
     return _LARGEST[wire] <= _LARGEST[stored]
 
 
+MAX_DIMS = 64  # NumPy's limit on an array's dimensions
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     dtype: str  # a wire dtype name
@@ -87,6 +90,11 @@ class TensorMeta:
 
     @classmethod
     def from_proto(cls, msg: tensor_pb2.TensorMeta, *, what: str) -> "TensorMeta":
+        if len(msg.shape) > MAX_DIMS:
+            # Refused before anything multiplies them out: the product of a few hundred
+            # thousand large dimensions takes minutes, holding the interpreter.
+            raise InvalidArgument(f"{what}: a shape of {len(msg.shape)} dimensions (at most "
+                                  f"{MAX_DIMS}, NumPy's limit)")
         shape = tuple(int(d) for d in msg.shape)
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"{what}: negative dimension in shape {list(shape)}")

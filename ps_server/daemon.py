@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ps_common.auth import server_interceptors, warn_if_open
-from ps_common.rpc import bind, make_server
+from ps_common.rpc import MalformedRequests, bind, make_server
 from ps_common.telemetry import MetricsEndpoint, RpcMetrics, service_methods
 from ps_common.tls import TLS
 
@@ -49,7 +49,8 @@ class Daemon:
                    else [RpcMetrics(metrics.registry, service_methods(all_services))])
         self.server, self._executor = make_server(
             max_workers=max_workers,
-            interceptors=[*counted, *server_interceptors(token), *interceptors],
+            interceptors=[*counted, *server_interceptors(token), MalformedRequests(),
+                          *interceptors],
             receive_window_bytes=receive_window_bytes)
         warn_if_open(host, token, tls, f"{service_names[0] if service_names else 'a daemon'}")
         self._companions = [*companions, *([metrics] if metrics is not None else [])]

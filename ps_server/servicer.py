@@ -190,7 +190,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             lock.acquire()
         try:
             return encode_chunk(header, [
-                wire_bytes(held.values if rows is None else rows, meta.dtype)
+                wire_bytes(held.values if rows is None else rows.whole(), meta.dtype)
                 for held, meta, rows in plan], attached)
         finally:
             for lock in locks:
@@ -370,7 +370,7 @@ class _PullSource:
         for held, meta, rows in plan:
             last = start + meta.nbytes - 1
             if rows is not None:  # a table's rows: a copy already
-                self._readers.append(array_reader(rows, meta.dtype))
+                self._readers.append(rows.reader(meta.dtype))
             elif meta.nbytes == 0 or start // chunk_bytes == last // chunk_bytes:
                 self._readers.append(array_reader(held.values, meta.dtype, held.lock))
             else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,10 @@ from ps_common.errors import (
 from ps_common.rows import dedup, sum_duplicates
 from ps_common.shardmap import Shard, VariableSpec, owners_of, shard_capacity
 from ps_common.shm import VERSION
-from ps_common.tensors import TensorMeta, all_finite, check_narrowing, count_non_finite
+from ps_common.tensors import (
+    ByteReader, TensorMeta, all_finite, array_reader, check_narrowing, count_non_finite,
+    wire_itemsize,
+)
 from ps_server.dynamic_rows import BOOKKEEPING_SLOTS, DynamicRows
 from ps_server.initializers import initialize_ids, initialize_rows, validate_initializer
 from ps_server.live_reads import preserve_for_reads
@@ -162,6 +166,35 @@ class CheckedRead:
             return TensorMeta(self.wire, self.held.shape)
         count = len(self.ids if self.inverse is None else self.inverse)
         return TensorMeta(self.wire, (count, *self.held.shape[1:]))
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """A row pull's rows, read at one instant: each distinct id's row once (`distinct`), and
+    `order`, the row of `distinct` for each id in the request's order (None: `distinct` is
+    in that order). A repeated id costs the server one row, not one per repeat: a request
+    naming one id 400,000 times would otherwise make it hold 400,000 rows until sent."""
+
+    distinct: np.ndarray
+    order: np.ndarray | None = None
+
+    def whole(self) -> np.ndarray:
+        """The rows in the request's order (for an answer in one message: bounded)."""
+        return self.distinct if self.order is None else self.distinct[self.order]
+
+    def reader(self, wire_dtype: str) -> ByteReader:
+        """The rows in the request's order, encoded as `wire_dtype`, gathered a chunk's rows
+        at a time."""
+        row_bytes = wire_itemsize(wire_dtype) * math.prod(self.distinct.shape[1:])
+        if self.order is None or row_bytes == 0:
+            return array_reader(self.whole(), wire_dtype)
+
+        def read(offset: int, length: int) -> bytes:
+            first, last = offset // row_bytes, -(-(offset + length) // row_bytes)
+            rows = self.distinct[self.order[first:last]]
+            return array_reader(rows, wire_dtype)(offset - first * row_bytes, length)
+
+        return read
 
 
 class ShardStore:
@@ -366,7 +399,7 @@ class ShardStore:
 
     def plan_pull(self, epoch: int, refs: list[tuple[str, int]], wire_dtype: str | None,
                   row_ids: list[np.ndarray | None] | None = None,
-                  ) -> list[tuple[HeldShard, TensorMeta, np.ndarray | None]]:
+                  ) -> list[tuple[HeldShard, TensorMeta, GatheredRows | None]]:
         """Validate a pull; returns each shard with the metadata of its wire encoding, and
         for a row pull (`row_ids[i]` not None) the rows themselves, read at one instant."""
         return self.read_pull(self.check_pull(epoch, refs, wire_dtype, row_ids))
@@ -400,21 +433,26 @@ class ShardStore:
         return checked
 
     def read_pull(self, checked: list[CheckedRead]
-                  ) -> list[tuple[HeldShard, TensorMeta, np.ndarray | None]]:
+                  ) -> list[tuple[HeldShard, TensorMeta, GatheredRows | None]]:
         """plan_pull's answer for a checked pull: a row pull's rows are read now."""
         return [(read.held, read.meta, None if read.ids is None else self._read_rows(read))
                 for read in checked]
 
-    def _read_rows(self, read: CheckedRead) -> np.ndarray:
+    def _read_rows(self, read: CheckedRead) -> GatheredRows:
         held = read.held
         if held.dynamic is None:
+            local, order = read.local, None
+            if len(local) > 1 and not np.all(local[1:] > local[:-1]):  # PSClient's are sorted
+                distinct, inverse = np.unique(local, return_inverse=True)
+                if len(distinct) < len(local):
+                    local, order = distinct, inverse
             with held.lock:
-                return held.values[read.local]
+                return GatheredRows(held.values[local], order)
         # Making the rows of unseen ids changes the shard: as a push does (checkpoints).
         with self._updating([held]):
             local = held.dynamic.locate(read.ids)
             held.sync_pool()
-            return held.values[local[read.inverse]]
+            return GatheredRows(held.values[local], read.inverse)
 
     def plan_push(self, epoch: int, refs: list[tuple[str, int]], metas: list[TensorMeta],
                   row_ids: list[np.ndarray | None] | None = None) -> list[HeldShard]:

@@ -490,3 +490,14 @@ def test_a_chunk_of_several_data_pieces_is_one_data_field():
     chunk = decode_chunk(message)
     assert bytes(chunk.header) == b"hdr"
     assert bytes(chunk.data) == b"abcd\x00\x01"
+
+
+def test_a_shape_of_more_dimensions_than_numpy_allows_is_refused_before_it_is_multiplied():
+    from ps_proto.v1 import tensor_pb2
+
+    # 400,000 dimensions fit one message; multiplying them out would take minutes.
+    many = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[2**62] * 400_000)
+    with pytest.raises(InvalidArgument, match="400000 dimensions .at most 64"):
+        TensorMeta.from_proto(many, what="push tensor 0")
+    most = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[1] * 64)
+    assert TensorMeta.from_proto(most, what="push tensor 0").nbytes == 4
