@@ -40,11 +40,6 @@ def connection_hint(message: str) -> str | None:
     return None
 
 
-def with_connection_hint(message: str) -> str:
-    hint = connection_hint(message)
-    return message if hint is None else f"{hint} (gRPC: {message})"
-
-
 # A status travels in the answer's trailing metadata, twice (grpc-message, percent-encoded,
 # and the google.rpc.Status beside it), which a client refuses past 8-16 KiB: it would then
 # see RESOURCE_EXHAUSTED from its own transport instead of the error. A message that quotes
@@ -122,6 +117,9 @@ class RemoteError(Exception):
         self.stale_epoch = stale_epoch
         # Set when the server asked to be retried after a delay (google.rpc.RetryInfo).
         self.retry_after_s = retry_after_s
+        # What to check when the connection failed for a reason of TLS (connection_hint of
+        # gRPC's own message; the message then leads with it).
+        self.connection_hint: str | None = None
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -133,11 +131,14 @@ class RemoteError(Exception):
     def from_rpc_error(cls, error: grpc.RpcError, *, target: str = "") -> "RemoteError":
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         message = (error.details() if hasattr(error, "details") else None) or str(error)
-        if code == grpc.StatusCode.UNAVAILABLE:
-            message = with_connection_hint(message)
+        hint = connection_hint(message) if code == grpc.StatusCode.UNAVAILABLE else None
+        if hint is not None:
+            message = f"{hint} (gRPC: {message})"
         status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
-        return cls._with_details(code, message, status.details if status is not None else (),
+        made = cls._with_details(code, message, status.details if status is not None else (),
                                  target)
+        made.connection_hint = hint
+        return made
 
     @classmethod
     def from_status(cls, status: status_pb2.Status, *, target: str = "") -> "RemoteError":

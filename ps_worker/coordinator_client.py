@@ -15,7 +15,7 @@ import grpc
 
 from ps_common.job import JobSpec
 from ps_common.rpc import RetryPolicy, call_with_retry, make_channel
-from ps_common.status import RemoteError, connection_hint
+from ps_common.status import RemoteError
 from ps_common.tls import TLS
 from ps_proto.v1 import coordinator_pb2 as pb
 from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
@@ -25,7 +25,9 @@ class CoordinatorUnreachable(ConnectionError):
     def __init__(self, address: str, seconds: float, cause: RemoteError):
         # A connection that failed for a reason of TLS says what to check; the rest of
         # gRPC's message names nothing the user does not know.
-        hint = connection_hint(cause.details())
+        # The hint of gRPC's own message: the cause's message leads with it already, and
+        # its words would read as another failure's to connection_hint.
+        hint = cause.connection_hint
         hint = f": {hint}" if hint else ""
         super().__init__(
             f"cannot reach the coordinator at {address} (gave up after about {seconds:g} s: "
