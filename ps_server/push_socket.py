@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from typing import Callable
 
@@ -51,13 +53,17 @@ class PushSocket:
         self._closed = False
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            # Made 0600 before anyone can connect: the umask covers bind(), chmod the rest.
-            old_umask = os.umask(0o177)
+            # Made 0600 before anyone can connect: bound in a directory only this user can
+            # enter, then renamed into place. (Not by setting the umask around bind(): the
+            # umask is the whole process's, and another thread's files would get it.)
+            private = tempfile.mkdtemp(prefix=".push-socket-", dir=os.path.dirname(path))
             try:
-                listener.bind(path)
+                staged = os.path.join(private, "socket")
+                listener.bind(staged)
+                os.chmod(staged, 0o600)
+                os.rename(staged, path)
             finally:
-                os.umask(old_umask)
-            os.chmod(path, 0o600)
+                shutil.rmtree(private, ignore_errors=True)
             listener.listen(64)
         except OSError:
             listener.close()

@@ -204,6 +204,24 @@ def test_the_push_socket_is_owner_only_beside_the_segments_and_removed_at_stop()
     assert not path.exists()
 
 
+def test_the_push_socket_is_made_owner_only_without_touching_the_process_umask(
+        monkeypatch, tmp_path):
+    # The umask is the whole process's: a server started in a training process must not
+    # change it under the process's other threads, even for a moment.
+    def no_umask(mask):
+        raise AssertionError(f"os.umask({mask:o}) called")
+
+    monkeypatch.setattr(os, "umask", no_umask)
+    path = tmp_path / "push.socket"
+    made = push_socket.PushSocket(str(path), lambda request: ps_pb.PushSharedReply())
+    try:
+        mode = path.stat().st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+        assert os.listdir(tmp_path) == ["push.socket"]  # nothing else left beside it
+    finally:
+        made.close()
+
+
 def test_a_starting_server_removes_the_push_socket_a_dead_server_left():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     assert child.wait(WAIT_S) == 0
