@@ -96,21 +96,22 @@ class DynamicRows:
         that may be refused (the memory budget). Changes no row: a push to several tables
         reserves for every one before it locates any (ShardStore.apply). Rows past their
         ttl are freed first, as `locate` frees them, so that their room is used."""
-        self.expire(self._clock())
-        rows = self.find(ids)
+        now = self._clock()
+        self.expire(now)
+        rows = self._find_live(ids, now)
         new = int(np.count_nonzero(rows == FREE))
         if new:
             self.check_request(len(ids), "dynamic table")
             self._reserve_free(new - self._evictions_for(new, kept=len(ids) - new))
 
     def locate(self, ids: np.ndarray) -> np.ndarray:
-        """The pool rows of `ids` (distinct), making the missing ones from the initializer
-        (evicting the least recently used rows not in this request when the capacity is
-        reached) and marking all of them used now. The pool grows, if it must, before any
-        row is evicted: a refused growth leaves every row held as it was."""
+        """The pool rows of `ids` (distinct), making the missing ones (and those past the
+        ttl) from the initializer (evicting the least recently used rows not in this request
+        when the capacity is reached) and marking all of them used now. The pool grows, if it
+        must, before any row is evicted: a refused growth leaves every row held as it was."""
         now = self._clock()
         self.expire(now)
-        rows = self.find(ids)
+        rows = self._find_live(ids, now)
         missing = rows == FREE
         if missing.any():
             self.check_request(len(ids), "dynamic table")
@@ -133,6 +134,21 @@ class DynamicRows:
         self._last_time[rows] = now
         return rows
 
+    def _find_live(self, ids: np.ndarray, now: float) -> np.ndarray:
+        """`find(ids)`, first releasing (as evicted) those of their rows past the ttl: the
+        sweep (`expire`) runs only every quarter ttl, so it may not have reached them yet,
+        and a row untouched for longer than the ttl must start again from its initial row."""
+        rows = self.find(ids)
+        if not self.ttl_s:
+            return rows
+        held = rows[rows != FREE]
+        stale = np.unique(held[self._last_time[held] < now - self.ttl_s])
+        if not len(stale):
+            return rows
+        self._release(stale)
+        rows[np.isin(rows, stale)] = FREE
+        return rows
+
     def _evictions_for(self, new: int, kept: int) -> int:
         """Rows to evict so that `new` rows fit the capacity beside the `kept` ones a request
         also names. A sweep reads the whole pool: when one runs, it frees a 64th of the
@@ -152,7 +168,8 @@ class DynamicRows:
 
     def expire(self, now: float | None = None) -> int:
         """Evict the rows untouched for ttl_s; returns how many. Sweeps at most every
-        quarter ttl (a sweep reads the whole pool)."""
+        quarter ttl (a sweep reads the whole pool): it frees memory, while `locate` and
+        `reserve` release a request's own rows past the ttl whenever they look them up."""
         if not self.ttl_s:
             return 0
         now = self._clock() if now is None else now

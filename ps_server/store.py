@@ -26,6 +26,7 @@ from ps_common.tensors import (
     ByteReader, TensorMeta, all_finite, array_reader, check_narrowing, count_non_finite,
     wire_itemsize,
 )
+from ps_server.coordinator.placement import footprint
 from ps_server.dynamic_rows import BOOKKEEPING_SLOTS, DynamicRows
 from ps_server.initializers import initialize_ids, initialize_rows, validate_initializer
 from ps_server.live_reads import preserve_for_reads
@@ -350,12 +351,13 @@ class ShardStore:
 
     def new_dynamic(self, spec: VariableSpec, shard: Shard) -> HeldShard:
         dim = spec.shape[1]
+        capacity = shard_capacity(spec, shard)
         rows = DynamicRows(
-            dim, spec.dtype, capacity=shard_capacity(spec, shard), ttl_s=spec.ttl_seconds,
+            dim, spec.dtype, capacity=capacity, ttl_s=spec.ttl_seconds,
             make_rows=lambda ids: initialize_ids(spec.initializer, spec.seed, ids, dim,
                                                  spec.dtype, num_rows=None),
             make_slots=lambda n: make_row_slots(spec, (n, dim)), clock=self.clock,
-            admit=self._admit)
+            admit=lambda nbytes: self._admit(nbytes, capped=capacity > 0))
         return HeldShard(spec, shard, rows.values, ShardOptimizerState(rows.slots),
                          resolve_knobs(spec), dynamic=rows)
 
@@ -590,13 +592,31 @@ class ShardStore:
         held.sync_pool()
         return local
 
-    def _admit(self, nbytes: int) -> None:
-        """A dynamic table's pool may grow by `nbytes` only within the memory budget."""
-        if self.memory_budget and self.nbytes() + nbytes > self.memory_budget:
+    def _admit(self, nbytes: int, *, capped: bool) -> None:
+        """A dynamic table's pool may grow by `nbytes` only within the memory budget.
+        A capped table's pool never grows past its share of the capacity (DynamicRows._grow),
+        and placement charged this server's budget for all of that share: its growth is
+        always admitted. An uncapped table's growth counts every capped one at that charge,
+        so that it cannot take the room reserved for rows a capped table has yet to make."""
+        if not self.memory_budget or capped:
+            return
+        if self._budget_held() + nbytes > self.memory_budget:
             raise ResourceExhausted(
-                f"this server's memory budget ({self.memory_budget} bytes) has no room for a "
-                f"dynamic table to grow by {nbytes} bytes; nothing was applied (declare the "
-                "table with a capacity, add servers or raise --memory-budget)")
+                f"this server's memory budget ({self.memory_budget} bytes) has no room for an "
+                f"uncapped dynamic table to grow by {nbytes} bytes beside what the server "
+                "holds and the capacity reserved for its capped tables; nothing was applied "
+                "(declare the table with a capacity, add servers or raise --memory-budget)")
+
+    def _budget_held(self) -> int:
+        """Bytes held (as `nbytes`), a capped dynamic table's shard counted at no less than
+        placement's charge for its whole share of the capacity."""
+        total = 0
+        for held in self.held():
+            size = held.values.nbytes + sum(s.nbytes for s in held.state.slots.values())
+            if held.dynamic is not None and held.dynamic.capacity:
+                size = max(size, footprint(held.spec, held.dynamic.capacity))
+            total += size
+        return total
 
     @contextlib.contextmanager
     def _updating(self, targets: list[HeldShard]):

@@ -856,7 +856,15 @@ class PSClient:
             unique, summed = ids, grads
         else:
             unique, inverse = dedup(ids)
-            summed = sum_duplicates(grads, inverse, len(unique))
+            with np.errstate(over="ignore"):  # an overflow is refused below, saying so
+                summed = sum_duplicates(grads, inverse, len(unique))
+            if (not self._allow_non_finite and summed.size and not all_finite(summed)
+                    and all_finite(grads)):
+                # The caller's gradients are finite: name what made them not, as the
+                # server does.
+                raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"variable {name!r}: the gradients of a repeated id sum to "
+                                   "a non-finite value (NaN or Inf); nothing was applied")
         # Summed before narrowing to the wire dtype; a NaN or Inf anywhere shows in the sums.
         summed, wire = self._encode(spec, summed, (len(unique), spec.shape[1]), wire_dtype)
         groups = self._rows_by_server(spec, shard_map, unique)

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ps_common.consistency import parse_mode
+from ps_common.errors import InvalidArgument
 from ps_common.job import JobSpec
-from ps_common.rows import dedup
+from ps_common.rows import check_ids, dedup
 from ps_common.rpc import RetryPolicy
 from ps_common.shardmap import Component, VariableSpec
 from ps_common.status import RemoteError
@@ -210,8 +211,13 @@ class Trainer:
         # rows are gathered from them on the device, and its gradients summed there.
         unique, inverse = {}, {}
         for name, table_ids in ids.items():
-            unique[name], inverse[name] = dedup(
-                np.ascontiguousarray(table_ids, dtype=np.int64).reshape(-1))
+            # PSClient's rule for ids: converting them here would truncate float ids, wrap
+            # uint64 ones and flatten 2-D ones, training the wrong rows without a word.
+            try:
+                table_ids = check_ids(table_ids, what=f"the model's row_ids(), table {name!r}")
+            except InvalidArgument as error:
+                raise ValueError(str(error)) from None
+            unique[name], inverse[name] = dedup(table_ids)
         # Buffers sized by the batch's ids, an upper bound of the distinct ones: reused.
         return _RowPull(unique, inverse, {
             name: ps.pull_rows_async(name, table_ids, out=self._row_buffer(
