@@ -260,6 +260,10 @@ class ParameterServer:
             rpc = self._membership_rpc
         if rpc is not None:
             rpc.cancel()
+        # A push waiting for other clients' steps is no call being applied: it is woken
+        # (UNAVAILABLE: its client retries against the server that comes back) before the
+        # gRPC server's grace and the push socket's close, which would otherwise wait for it.
+        self._servicer.steps.close()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
         self.push_staging.close()
         if self.shared is not None:

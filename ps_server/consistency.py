@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from ps_common.consistency import SYNC, Mode
-from ps_common.errors import FailedPrecondition, PSError, StepTimeout
+from ps_common.errors import FailedPrecondition, NotReady, PSError, StepTimeout
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +80,31 @@ class _Step:
     # shard averages the gradients it got); a retry, under the same sequence, counts once.
     contributions: dict[tuple[str, int], Contribution] = field(default_factory=dict)
 
+    # Summed as they come, one array per shard whatever the number of clients (an empty
+    # push, a client's step with nothing for this server, adds to none).
+    sums: dict[tuple[str, int], list] = field(default_factory=dict)  # key -> [held, sum, n]
+
     @property
     def clients(self) -> set[str]:
         return {client_id for client_id, _ in self.contributions}
-    sums: dict[tuple[str, int], list] = field(default_factory=dict)  # key -> [held, sum, n]
 
 
 class StepGate:
     """Thread-safe. `apply_average(contributions, targets, grads)` applies one averaged
-    gradient per shard and records every contribution in the ledger, atomically with it."""
+    gradient per shard and records every contribution in the ledger, atomically with it;
+    it may leave contributions unrecorded (see PushReceiver._apply_average) and returns
+    them, {(client_id, sequence): the error its push raises}, or None when there are none.
+    `check_live(client_id, incarnation)` raises for an incarnation the exactly-once
+    ledger refuses (retired by the coordinator), which may not join."""
 
     def __init__(self, apply_average: Callable, *, clock=time.monotonic,
-                 wait_s: float = STEP_WAIT_S):
+                 wait_s: float = STEP_WAIT_S, check_live: Callable | None = None):
         self._apply_average = apply_average
+        self._check_live = check_live
         self._clock = clock
         self._wait_s = wait_s
         self._changed = threading.Condition()
+        self._closed = False  # the server is stopping (close)
         self._mode: Mode | None = None
         self._members: dict[str, _Member] = {}
         self._replicas = 1
@@ -105,6 +114,9 @@ class StepGate:
         self._step = 0  # sync: steps applied
         self._pending = _Step()
         self._failed: dict[int, PSError] = {}  # sync: steps whose update failed (recent)
+        # sync: per recent step, the contributions its update left unrecorded, with the
+        # errors their pushes raise.
+        self._left_out: dict[int, dict[tuple[str, int], PSError]] = {}
         self.staleness_max = 0
         self.dropped_stale = 0
         self._waits = 0
@@ -120,6 +132,11 @@ class StepGate:
         if replicas < 1:
             raise FailedPrecondition(f"JoinSteps: replicas {replicas} must be >= 1")
         with self._changed:
+            self._check_open()
+            if self._check_live is not None:
+                # Under the lock: a retirement that the ledger records after this check
+                # removes the member (leave) only once it has joined.
+                self._check_live(client_id, incarnation)
             others = {c: m for c, m in self._members.items() if c != client_id}
             if others and mode != self._mode:
                 raise FailedPrecondition(
@@ -127,6 +144,11 @@ class StepGate:
                     f"{', '.join(sorted(others))}); a client cannot join them in {mode}")
             if not others:
                 self._mode = mode
+                if not self._members:
+                    # Every client of the steps before left: a new run, whose first sync
+                    # step waits for its own `replicas`.
+                    self._started = False
+                    self._joined_before_start = set()
                 if mode.kind == SYNC and not self._started:
                     self._replicas = replicas
             current = self._members.get(client_id)
@@ -155,6 +177,15 @@ class StepGate:
             self._maybe_apply()
             self._changed.notify_all()
 
+    def close(self) -> None:
+        """The server is stopping: every push waiting here, and every call after this,
+        raises UNAVAILABLE, so that its client retries against the server that comes back
+        (the pending sync step is dropped: none of its pushes was recorded or answered)."""
+        with self._changed:
+            self._closed = True
+            self._pending = _Step()
+            self._changed.notify_all()
+
     def mode(self) -> str:
         with self._changed:
             return str(self._mode) if self._mode is not None and self._members else ""
@@ -170,6 +201,7 @@ class StepGate:
         """Raises FailedPrecondition unless `client_id` takes part in the steps (before a
         stepped push is applied: it is refused whole, never applied and then refused)."""
         with self._changed:
+            self._check_open()
             self._member(client_id, incarnation)
 
     def current_step(self) -> int:
@@ -198,6 +230,7 @@ class StepGate:
         one (no live member more than K steps behind it)."""
         started = self._clock()
         with self._changed:
+            self._check_open()
             member = self._member(client_id, incarnation)
             member.done = max(member.done, step + 1)
             self._high = max(self._high, member.done)
@@ -211,6 +244,7 @@ class StepGate:
                 slowest = min(m.done for m in self._members.values())
                 if member.done <= slowest + bound:
                     break
+                self._check_open()
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise self._timeout(step, [c for c, m in self._members.items()
@@ -231,6 +265,7 @@ class StepGate:
         started = self._clock()
         client_id = contribution.client_id
         with self._changed:
+            self._check_open()
             self._member(client_id, contribution.incarnation)
             if step < self._step:
                 self.dropped_stale += 1
@@ -255,6 +290,7 @@ class StepGate:
             self._maybe_apply()
             deadline = started + self._wait_s
             while self._step <= step:
+                self._check_open()
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise self._timeout(step, sorted(
@@ -263,12 +299,16 @@ class StepGate:
             waited = self._waited(started)
             if step in self._failed:
                 raise self._failed[step]
+            left_out = self._left_out.get(step, {}).get(key)
+            if left_out is not None:
+                raise left_out
             return PushOutcome(next_step=self._step, waited_s=waited)
 
     def _maybe_apply(self) -> None:
         """Apply the pending step once every member has contributed (and, for the first
         step, once `replicas` have joined). Called under the lock."""
-        if self._mode is None or self._mode.kind != SYNC or not self._pending.contributions:
+        if self._mode is None or self._mode.kind != SYNC or not self._pending.contributions \
+                or self._closed:
             return
         if not set(self._members) <= self._pending.clients:
             return
@@ -280,7 +320,10 @@ class StepGate:
         averages = [entry[1] / np.asarray(entry[2], entry[1].dtype)
                     for entry in pending.sums.values()]
         try:
-            self._apply_average(list(pending.contributions.values()), targets, averages)
+            left_out = self._apply_average(list(pending.contributions.values()), targets,
+                                           averages)
+            if left_out:
+                self._left_out[self._step] = left_out
         except PSError as error:
             # Nothing of the step was applied: every contributor's push raises the error.
             self._failed[self._step] = error
@@ -290,11 +333,17 @@ class StepGate:
                                                f"{type(error).__name__}; see the server log")
         for old in [s for s in self._failed if s < self._step - 64]:
             del self._failed[old]
+        for old in [s for s in self._left_out if s < self._step - 64]:
+            del self._left_out[old]
         self._step += 1
         self._started = True
         self._changed.notify_all()
 
     # ---- shared ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NotReady("the server is stopping: retry against the server that comes back")
 
     def _member(self, client_id: str, incarnation: int) -> _Member:
         member = self._members.get(client_id)

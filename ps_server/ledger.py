@@ -73,9 +73,7 @@ class PushLedger:
                 return record
             fenced = self._fences.get(client_id)
             if fenced is not None and incarnation <= fenced:
-                raise FencedIncarnation(
-                    f"client {client_id!r} incarnation {incarnation} is gone (the coordinator "
-                    f"retired incarnation {fenced}): register again")
+                raise _gone(client_id, incarnation, fenced)
             if len(self._clients) >= self._max_clients:
                 raise ResourceExhausted(
                     f"this server holds the exactly-once state of {self._max_clients} live "
@@ -119,6 +117,20 @@ class PushLedger:
         self._gone_applied += record.applied_count
         self._gone_duplicates += record.duplicate_count
 
+    def check_live(self, client_id: str, incarnation: int) -> None:
+        """Raises FencedIncarnation, worded as for its push, for an incarnation that a push
+        would be refused for (retired by the coordinator, or older than one seen): such a
+        client may not join the steps again (JoinSteps), where it would count as a member
+        whose pushes are all refused."""
+        with self._lock:
+            record = self._clients.get(client_id)
+            fenced = self._fences.get(client_id)
+        if record is not None and not record.retired:
+            if incarnation < record.incarnation:
+                raise _replaced(client_id, incarnation, record.incarnation)
+        elif fenced is not None and incarnation <= fenced:
+            raise _gone(client_id, incarnation, fenced)
+
     def live_clients(self) -> int:
         with self._lock:
             return len(self._clients)
@@ -149,11 +161,7 @@ class PushLedger:
             record.lock.release()
         with _held(record.lock):
             if incarnation < record.incarnation:
-                raise FencedIncarnation(
-                    f"client {client_id!r} pushed with incarnation {incarnation}, but "
-                    f"incarnation {record.incarnation} has already been seen: this client "
-                    "was replaced; register again"
-                )
+                raise _replaced(client_id, incarnation, record.incarnation)
             if incarnation > record.incarnation:
                 record.incarnation, record.floor = incarnation, 0
                 record.applied.clear()
@@ -249,3 +257,15 @@ class PushLedger:
         with self._lock:
             record = self._clients.get(client_id)
         return len(record.applied) if record else 0
+
+
+def _gone(client_id: str, incarnation: int, fenced: int) -> FencedIncarnation:
+    return FencedIncarnation(
+        f"client {client_id!r} incarnation {incarnation} is gone (the coordinator retired "
+        f"incarnation {fenced}): register again")
+
+
+def _replaced(client_id: str, incarnation: int, newer: int) -> FencedIncarnation:
+    return FencedIncarnation(
+        f"client {client_id!r} pushed with incarnation {incarnation}, but incarnation {newer} "
+        "has already been seen: this client was replaced; register again")

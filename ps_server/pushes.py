@@ -16,7 +16,7 @@ from typing import Iterable
 import numpy as np
 
 from ps_common.consistency import SYNC
-from ps_common.errors import InvalidArgument
+from ps_common.errors import FencedIncarnation, InvalidArgument, PSError
 from ps_common.tensors import (
     StreamAssembler, TensorMeta, all_finite, finite_in_both, wire_raw_dtype,
 )
@@ -52,7 +52,7 @@ class PushReceiver:
         self._store = store
         self._ledger = ledger
         self._staging = staging
-        self.steps = StepGate(self._apply_average)
+        self.steps = StepGate(self._apply_average, check_live=ledger.check_live)
 
     def receive(self, header: PushHeader, first_data, more_data: Iterable) -> PushOutcome:
         """Apply the push exactly once; the outcome says whether it had been applied
@@ -186,26 +186,44 @@ class PushReceiver:
         outcome.duplicate = duplicate
         return outcome
 
-    def _apply_average(self, contributions: list[Contribution], targets, grads) -> None:
+    def _apply_average(self, contributions: list[Contribution], targets, grads
+                       ) -> dict[tuple[str, int], PSError]:
         """One sync step: the averaged gradients applied, and every contribution recorded
-        in the ledger with them (in client order: the ledger's locks are per client)."""
+        in the ledger with them (in client order: the ledger's locks are per client).
+
+        A contribution whose incarnation the coordinator retired while it waited is fenced
+        in the ledger: it cannot be recorded, and its push is answered with the fence's
+        error, while the others' step is applied. Its gradients stay in the average, as a
+        push of a client that left while it waited does: they were computed from the
+        step's values, and the step's sum holds them (one array per shard whatever the
+        number of clients, rather than a copy of every push to leave one out). Returns
+        those unrecorded, {(client_id, sequence): the fence's error}."""
         # The ledger holds one lock per client: each client's first push is recorded with
         # the update, its others (pushes of the same step) right after; all of it under the
-        # gate, so that no checkpoint cuts between the update and any of its records.
+        # gate, so that no checkpoint cuts between the update and any of its records. Once
+        # a client's lock is held, no retirement can fence it before the update.
         self._refuse_non_finite_average(contributions, targets, grads)
         ordered = sorted(contributions, key=lambda c: (c.client_id, c.sequence))
         first = {c.client_id: c for c in reversed(ordered)}
+        unrecorded: dict[tuple[str, int], PSError] = {}
         with self._store.gate.shared():
             with contextlib.ExitStack() as ledger:
                 for c in (first[client_id] for client_id in sorted(first)):
-                    ledger.enter_context(self._ledger.exactly_once(
-                        c.client_id, c.incarnation, c.sequence, c.acked_through))
+                    try:
+                        ledger.enter_context(self._ledger.exactly_once(
+                            c.client_id, c.incarnation, c.sequence, c.acked_through))
+                    except FencedIncarnation as error:
+                        unrecorded.update({(o.client_id, o.sequence): error for o in ordered
+                                         if o.client_id == c.client_id})
                 self._store.apply(targets, grads)
             for c in ordered:
-                if first[c.client_id] is not c:
-                    with self._ledger.exactly_once(c.client_id, c.incarnation, c.sequence,
-                                                   c.acked_through):
+                if first[c.client_id] is not c and (c.client_id, c.sequence) not in unrecorded:
+                    # Retired since its first push was recorded: its fence refuses any
+                    # retry of this one too, so there is nothing left to record.
+                    with contextlib.suppress(FencedIncarnation), self._ledger.exactly_once(
+                            c.client_id, c.incarnation, c.sequence, c.acked_through):
                         pass
+        return unrecorded
 
     def _refuse_non_finite_average(self, contributions: list[Contribution], targets,
                                    averages) -> None:
@@ -255,3 +273,7 @@ def _check_identity(header: PushHeader) -> None:
     if not header.client_id or header.sequence < 1:
         raise InvalidArgument(
             "push header needs a client_id and a sequence >= 1 (exactly-once identity)")
+    if not header.refs and header.step is None:
+        # An empty push only carries a client's step to a server it has no gradients for
+        # this step (ssp: the step finished; sync: a contribution of none).
+        raise InvalidArgument("push names no shards (only a push with a step may be empty)")

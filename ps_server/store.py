@@ -464,7 +464,9 @@ class ShardStore:
             raise InvalidArgument(
                 f"push header names {len(refs)} shard(s) but describes {len(metas)} tensor(s)"
             )
-        targets = self.lookup(refs)
+        # No shards: a stepped push's step on a server it has no gradients for (see
+        # PushReceiver); lookup refuses an empty list, a mistake in every other request.
+        targets = self.lookup(refs) if refs else []
         for held, meta, ids in zip(targets, metas, row_ids or [None] * len(refs)):
             if meta.dtype not in ("float32", "float64", "float16", "bfloat16"):
                 raise InvalidArgument(f"{held.describe()}: gradient dtype {meta.dtype}")

@@ -1071,6 +1071,14 @@ class PSClient:
         # it twice. Sequences are released (acknowledged) only when the whole push is over.
         sequences: dict[tuple, tuple[str, int]] = {}
         sequences_lock = threading.Lock()
+        # A stepped push is this client's step on every server, not only on those its
+        # gradients go to: each other server gets an empty push (no shards), which counts
+        # as the step there (ssp: finished; sync: a contribution of no gradients), so that
+        # nobody waits there for a step this client has no gradients of.
+        with self._lock:
+            in_steps = stepped and self._mode is not None
+        empty = set(shard_map.servers) - {p.shard.server_id for p in pieces} \
+            if in_steps else set()
 
         def sequence_for(server_id: str, group: list[_Piece]) -> tuple[int, bool]:
             """The group's sequence, and whether this is its first send."""
@@ -1083,10 +1091,11 @@ class PSClient:
 
         try:
             for _ in range(MAX_MAP_REFRESHES):
-                by_server: dict[str, list[_Piece]] = {}
+                by_server: dict[str, list[_Piece]] = {server_id: [] for server_id in empty}
                 for piece in pieces:
                     by_server.setdefault(piece.shard.server_id, []).append(piece)
                 failed: list[_Piece] = []
+                failed_empty: set[str] = set()
                 errors: list[RemoteError] = []
 
                 def push_one(server_id: str, group: list[_Piece], shard_map=shard_map,
@@ -1099,10 +1108,12 @@ class PSClient:
                         if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
                             raise
                         failed.extend(group)
+                        if not group:
+                            failed_empty.add(server_id)
                         errors.append(error)
 
                 self._run_groups(by_server, push_one)
-                if not failed:
+                if not failed and not failed_empty:
                     return
                 # Parts refused as stale, or whose server stayed unreachable, are sent again
                 # if the coordinator's map has moved on (e.g. the server is at a new address).
@@ -1110,6 +1121,11 @@ class PSClient:
                     raise errors[0]
                 shard_map = self.shard_map
                 pieces = [self._relocate(shard_map, p) for p in failed]
+                # An empty push goes again to its server if it is still in the map (and
+                # has no relocated pieces, which carry the step there).
+                empty = {server_id for server_id in failed_empty
+                         if server_id in shard_map.servers} \
+                    - {p.shard.server_id for p in pieces}
                 # Left to one server's check, they may now go to several: checked here
                 # first. None of them was applied (a server refuses non-finite ones).
                 for piece in pieces:
@@ -1471,7 +1487,9 @@ class PSClient:
                 return _result(call, server_id)
 
         sent_shared = [0]  # attempts over shared memory
-        reply = self._push_shared(shard_map, server_id, pieces, header, sent_shared)
+        # An empty push (a step alone, see _send) has no slot to fill: one small message.
+        reply = self._push_shared(shard_map, server_id, pieces, header, sent_shared) \
+            if pieces else None
         attempts = sent_shared[0]
         if reply is None:
             # Safe to retry: the server deduplicates (client_id, incarnation, sequence).

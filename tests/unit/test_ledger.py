@@ -348,3 +348,18 @@ def test_a_restore_that_merges_takes_the_record_lock_without_the_table_lock():
     ledger.restore({"clients": {"c": [1, 1, [2]]}, "fences": {}})
     assert held_table_lock == [False]
     assert all(ledger.applied("c", 1, s) for s in (1, 2, 3))
+
+
+def test_check_live_refuses_what_a_push_would_be_refused_for_in_the_same_words():
+    ledger = PushLedger()
+    ledger.check_live("new", 1)  # never seen: live
+    attempt(ledger, "a", 2, 1)
+    ledger.check_live("a", 2)
+    ledger.retire("b", 3)
+    for client, inc in (("a", 1), ("b", 3), ("b", 2)):
+        with pytest.raises(FencedIncarnation) as by_check:
+            ledger.check_live(client, inc)
+        with pytest.raises(FencedIncarnation) as by_push:
+            attempt(ledger, client, inc, 1)
+        assert by_check.value.message == by_push.value.message
+    ledger.check_live("b", 4)  # a newer incarnation of a retired client

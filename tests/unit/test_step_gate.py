@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ps_common.consistency import parse_mode
-from ps_common.errors import FailedPrecondition, InvalidArgument, PSError
+from ps_common.errors import FailedPrecondition, FencedIncarnation, InvalidArgument, PSError
 from ps_common.errors import StepTimeout
 from ps_server.consistency import Contribution, StepGate
 from ps_server.testing import wait_until
@@ -464,6 +464,82 @@ def test_sync_replicas_do_not_hold_the_first_step_for_a_joiner_that_left(spawn):
         if not a.done.is_set():  # release a: a second replica's gradient ends the step
             gate.join("c", 1, SYNC)
             gate.contribute(contribution("c"), 0, [T0], grads([1.0]))
+
+
+def test_a_client_that_joins_steps_nobody_takes_part_in_starts_a_new_run(spawn):
+    recorder = Recorder()
+    gate = make_gate(recorder)
+    gate.join("a", 1, SYNC)
+    assert gate.contribute(contribution("a"), 0, [T0], grads([1.0])).next_step == 1
+    gate.leave("a", 1)
+    # A new run, of two replicas: its first step waits for the second to join.
+    gate.join("b", 1, SYNC, replicas=2)
+    b = spawn(gate.contribute, contribution("b"), 1, [T0], grads([2.0]))
+    blocked(gate, 1, "b waits for the second replica")
+    assert len(recorder.calls) == 1
+    gate.join("c", 1, SYNC, replicas=2)
+    assert gate.contribute(contribution("c"), 1, [T0], grads([6.0])).next_step == 2
+    assert b.result().next_step == 2
+    np.testing.assert_array_equal(recorder.calls[1][2][0], np.float32([4.0]))
+
+
+def test_a_fenced_incarnation_cannot_join():
+    fenced = FencedIncarnation("client 'a' incarnation 1 is gone")
+
+    def check_live(client_id, incarnation):
+        if (client_id, incarnation) == ("a", 1):
+            raise fenced
+
+    gate = make_gate(check_live=check_live)
+    with pytest.raises(FencedIncarnation) as caught:
+        gate.join("a", 1, SYNC)
+    assert caught.value is fenced and gate.stats().members == 0
+    assert gate.join("a", 2, SYNC) == 0  # its newer incarnation may
+
+
+def test_sync_a_contribution_the_update_leaves_out_raises_its_error_the_others_return(spawn):
+    fenced = FencedIncarnation("client 'b' incarnation 1 is gone")
+    calls = []
+
+    def apply_average(contributions, targets, averages):
+        calls.append(sorted(c.client_id for c in contributions))
+        return {("b", 1): fenced}
+
+    gate = make_gate(apply_average)
+    for client in "ab":
+        gate.join(client, 1, SYNC)
+    b = spawn(gate.contribute, contribution("b"), 0, [T0], grads([3.0]))
+    blocked(gate, 1, "b waits for a")
+    assert gate.contribute(contribution("a"), 0, [T0], grads([1.0])).next_step == 1
+    with pytest.raises(FencedIncarnation) as caught:
+        b.result()
+    assert caught.value is fenced and calls == [["a", "b"]]
+
+
+def test_close_wakes_every_waiting_push_with_unavailable_and_refuses_the_next(spawn):
+    gate = make_gate()
+    for client in "abc":
+        gate.join(client, 1, SYNC)
+    a = spawn(gate.contribute, contribution("a"), 0, [T0], grads([1.0]))
+    blocked(gate, 1, "a waits for b and c")
+    ssp_gate = make_gate()
+    for client in "xy":
+        ssp_gate.join(client, 1, ssp(0))
+    x = spawn(ssp_gate.finish_step, "x", 1, 0)
+    blocked(ssp_gate, 1, "x waits for y")
+    for closing in (gate, ssp_gate):
+        closing.close()
+    for waiting in (a, x):
+        with pytest.raises(PSError) as caught:
+            waiting.result()
+        assert caught.value.code == "UNAVAILABLE"
+    with pytest.raises(PSError) as caught:
+        gate.contribute(contribution("b"), 0, [T0], grads([1.0]))
+    assert caught.value.code == "UNAVAILABLE"
+    with pytest.raises(PSError) as caught:
+        gate.join("d", 1, SYNC)
+    assert caught.value.code == "UNAVAILABLE"
+    assert gate.current_step() == 0  # the pending step was dropped, never applied
 
 
 # ---- what metrics read ---------------------------------------------------------------------
