@@ -58,11 +58,18 @@ def resident_kib(array: np.ndarray) -> int:
     raise AssertionError(f"no mapping holds address {address:#x}")
 
 
+def own_name(kind: str) -> str:
+    """A segment name that says this process made it: a server starting meanwhile (in
+    another test run on this host) leaves it alone, as it leaves a live server's."""
+    pid = os.getpid()
+    return f"{shm.PREFIX}{pid}.{shm.process_start_time(pid)}.test{uuid.uuid4().hex}.{kind}"
+
+
 @pytest.fixture
 def written_segment():
     """A segment made as a server makes a large push slot, written through a second mapping
     (as the client writes it), and the array that was written."""
-    segment = shm.create(f"{shm.PREFIX}test.{uuid.uuid4().hex}.slot", ELEMENTS * 4)
+    segment = shm.create(own_name("slot"), ELEMENTS * 4)
     try:
         writer = shm.attach(segment.name, writable=True)
         grad = np.random.default_rng(0).standard_normal(ELEMENTS).astype(np.float32)
@@ -131,7 +138,7 @@ def test_it_reads_the_bytes_a_later_write_put_there(written_segment):
 
 
 def test_a_segment_whose_file_is_gone_has_no_reader():
-    segment = shm.create(f"{shm.PREFIX}test.{uuid.uuid4().hex}.slot", 64)
+    segment = shm.create(own_name("slot"), 64)
     shm.unlink(segment.path)
     assert segment.reader() is None
 
