@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=parse_seconds, default=1.0, metavar="SECONDS")
     p.add_argument("--max-streams", type=int, default=128, metavar="N",
                    help="Pull and Push streams served at once; more are refused with "
-                   "RESOURCE_EXHAUSTED with a retry delay (default 128)")
+                   "RESOURCE_EXHAUSTED with a retry delay; also the most clients taking part "
+                   "in ssp/sync steps (default 128)")
     p.add_argument("--stream-idle-timeout", type=parse_seconds, default=30.0, metavar="SECONDS",
                    help="cancel a stream whose peer sends (push) or takes (pull) nothing for "
                    "this long, freeing its slot and thread (default 30)")

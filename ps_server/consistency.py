@@ -98,9 +98,13 @@ class StepGate:
     ledger refuses (retired by the coordinator), which may not join."""
 
     def __init__(self, apply_average: Callable, *, clock=time.monotonic,
-                 wait_s: float = STEP_WAIT_S, check_live: Callable | None = None):
+                 wait_s: float = STEP_WAIT_S, check_live: Callable | None = None,
+                 max_members: int | None = None):
         self._apply_average = apply_average
         self._check_live = check_live
+        # At most this many clients take part (None: any number): each push waiting for
+        # its step holds one of the server's handler threads (the server's --max-streams).
+        self._max_members = max_members
         self._clock = clock
         self._wait_s = wait_s
         self._changed = threading.Condition()
@@ -138,6 +142,7 @@ class StepGate:
                 # removes the member (leave) only once it has joined.
                 self._check_live(client_id, incarnation)
             others = {c: m for c, m in self._members.items() if c != client_id}
+            self._check_room(len(others), mode, replicas)
             if others and mode != self._mode:
                 raise FailedPrecondition(
                     f"this server's steps run in {self._mode} (clients "
@@ -176,6 +181,21 @@ class StepGate:
             del self._members[client_id]
             self._maybe_apply()
             self._changed.notify_all()
+
+    def _check_room(self, others: int, mode: Mode, replicas: int) -> None:
+        limit = self._max_members
+        if limit is None:
+            return
+        why = ("a push waiting for its step holds one of the server's handler threads: "
+               "raise --max-streams on every server")
+        if others >= limit:
+            raise FailedPrecondition(
+                f"JoinSteps: {others} clients take part in this server's steps already, the "
+                f"most it takes ({limit}, its --max-streams); {why}")
+        if mode.kind == SYNC and replicas > limit:
+            raise FailedPrecondition(
+                f"JoinSteps: replicas {replicas} is more clients than this server takes in "
+                f"its steps ({limit}, its --max-streams); {why}")
 
     def close(self) -> None:
         """The server is stopping: every push waiting here, and every call after this,

@@ -48,11 +48,13 @@ class PushReceiver:
     """Thread-safe (the store, ledger, staging and step gate are). `steps`: the server's
     consistency steps (ps_server.consistency), which pushes with a step go through."""
 
-    def __init__(self, store: ShardStore, ledger: PushLedger, staging: PushStaging):
+    def __init__(self, store: ShardStore, ledger: PushLedger, staging: PushStaging, *,
+                 max_step_clients: int | None = None):
         self._store = store
         self._ledger = ledger
         self._staging = staging
-        self.steps = StepGate(self._apply_average, check_live=ledger.check_live)
+        self.steps = StepGate(self._apply_average, check_live=ledger.check_live,
+                              max_members=max_step_clients)
 
     def receive(self, header: PushHeader, first_data, more_data: Iterable) -> PushOutcome:
         """Apply the push exactly once; the outcome says whether it had been applied

@@ -71,7 +71,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # bytes at once.
         self._pull_copies = PullCopies(self._buffers, ByteBudget(pull_copy_bytes))
         self.push_staging = PushStaging(self._buffers, store.nbytes, push_memory_bytes, spill_dir)
-        self._pushes = PushReceiver(store, ledger, self.push_staging)
+        # A push waiting for its step holds a handler thread: at most --max-streams clients
+        # take part in the steps, so that the pool's control-plane threads stay free.
+        self._pushes = PushReceiver(store, ledger, self.push_staging,
+                                    max_step_clients=streams.max_streams)
         self._unary_pulls = UnaryPulls(store)
         if shared is not None:
             shared.serve_pushes(self._push_shared if push_socket_filter is None
@@ -202,7 +205,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         with translate_errors(context, "OpenSharedMemory"):
             if self._shared is None:
                 return pb.OpenSharedMemoryReply(offered=False)
-            connection = self._shared.open_connection(request.client_id)
+            try:
+                connection = self._shared.open_connection(request.client_id)
+            except OSError as error:  # no room in /dev/shm for its probe, say
+                log.warning("no shared-memory connection for %s (%s): its pulls and pushes "
+                            "go over gRPC", request.client_id, error.strerror or error)
+                return pb.OpenSharedMemoryReply(offered=False)
             return pb.OpenSharedMemoryReply(
                 offered=True, probe=connection.probe_name, control=self._shared.control.name,
                 connection=connection.id, push_socket=self._shared.push_socket_name)

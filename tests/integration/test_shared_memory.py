@@ -331,6 +331,27 @@ def test_a_client_that_cannot_read_the_probe_falls_back_to_grpc(make_cluster, mo
     assert calls(cluster, "PushSharedSlot") == 0
 
 
+def test_a_server_without_room_for_a_probe_offers_no_shared_memory(make_cluster, monkeypatch,
+                                                                    caplog):
+    """/dev/shm full when a client asks: it is told no (not INTERNAL), and uses gRPC."""
+    cluster = make_cluster(servers=1)
+    made = server_shm.shm.create
+
+    def no_room_for_probes(name, *args, **kwargs):
+        if name.endswith(".probe"):
+            raise OSError(28, "No space left on device", name)
+        return made(name, *args, **kwargs)
+
+    monkeypatch.setattr(server_shm.shm, "create", no_room_for_probes)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(5, 3), init="zeros", optimizer=SGD1)
+        ps.push({"w": np.ones((5, 3), np.float32)})
+        np.testing.assert_array_equal(ps.pull("w"), np.full((5, 3), -1.0, np.float32))
+        assert ps.data_paths == {cluster.servers[0].address: "grpc"}
+    assert "internal error" not in caplog.text
+    assert "No space left on device" in caplog.text
+
+
 def test_data_paths_never_says_grpc_for_a_server_used_through_shared_memory(make_cluster):
     cluster = make_cluster(servers=1)
     address = cluster.servers[0].address
