@@ -33,6 +33,12 @@ MODEL_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
                       "batch_size": 512},
 }
 
+# A variable's seed on the wire (VariableSpec.seed, an int64) is the job's seed plus the
+# variable's own offset (VariableDef/EmbeddingDef.seed; the built-in models' are below 100):
+# offsets are kept below 2**32, and the job's seed leaves room for the largest of them.
+MAX_SEED_OFFSET = 2**32 - 1
+MAX_SEED = 2**63 - 1 - MAX_SEED_OFFSET
+
 
 class JobError(ValueError):
     """A job field is wrong; the message names the field (and the file, if any)."""
@@ -92,7 +98,9 @@ class JobSpec:
         need(not (self.model == "embedding_mlp" and _mode_kind(self.mode) == SYNC), "mode",
              "cannot train embedding_mlp: sync averages whole variables, and embedding tables "
              "are pushed by row; use async or ssp:K")
-        need(_integer(self.seed) and self.seed >= 0, "seed", "must be an integer >= 0")
+        need(_integer(self.seed) and 0 <= self.seed <= MAX_SEED, "seed",
+             f"must be an integer from 0 to {MAX_SEED} (an int64 on the wire, with room for "
+             f"each variable's seed offset)")
         need(_integer(self.tasks_per_epoch) and self.tasks_per_epoch >= 1,
              "tasks_per_epoch", "must be an integer >= 1")
         need(_integer(self.evaluate_every) and self.evaluate_every >= 0, "evaluate_every",

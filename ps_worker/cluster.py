@@ -28,7 +28,7 @@ from ps_common.cli import (
     add_token_argument, parse_bytes, parse_port, parse_seconds, tls_of, token_of,
 )
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
-from ps_common.progress import epoch_line
+from ps_common.progress import epoch_line, figure, strict_json
 from ps_common.status import RemoteError
 from ps_common.tls import TLS
 from ps_worker.chaos import ChaosError, ChaosMonkey
@@ -250,7 +250,7 @@ class Progress:
         width = 12
         filled = int(width * max(0, min(done_in_epoch, per_epoch)) / max(1, per_epoch))
         current = job["metrics"][-1] if job["metrics"] else None
-        figures = (f"  train: loss {current['loss']:.4f} acc {current['accuracy']:.4f}"
+        figures = (f"  train: loss {figure(current['loss'])} acc {figure(current['accuracy'])}"
                    if current and current["examples"] else "")
         text = (f"epoch {job['epoch']}/{job['epochs']} [{'#' * filled}{'.' * (width - filled)}]"
                 f" {self._rate:.0f} steps/s  workers {_alive(status)}{figures}")
@@ -507,7 +507,9 @@ def main(argv: list[str] | None = None) -> int:
             progress.note(f"ps-cluster: the job ended before chaos was over: "
                           f"{chaos.recoveries} of {len(chaos.targets)} kill(s) done and "
                           "recovered from")
-    print(json.dumps(outcome), flush=True)
+    # Strict JSON: a loss that overflowed is null there (the coordinator's summary maps it
+    # so already; this covers whatever else the outcome gathered).
+    print(strict_json(outcome), flush=True)
     if interrupted:
         return 130
     clean = all(code == 0 for code in exits.values())

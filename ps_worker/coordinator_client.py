@@ -7,6 +7,7 @@ which `CoordinatorUnreachable` names the address.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -57,9 +58,16 @@ class Registration:
     heartbeat_interval_s: float
 
 
-def _number(value: float) -> float | None:
-    """NaN (an epoch with no examples yet) as None, so that the status is valid JSON."""
-    return None if value != value else value
+def _figure(value: float, measured: bool) -> float | None:
+    """A figure where something was measured: as it is, NaN or inf included (a model's loss
+    that overflowed, shown as such; `ps_common.progress.strict_json` prints it as null).
+    None where nothing was (the coordinator sends NaN for that: a mean of no examples)."""
+    return value if measured else None
+
+
+def _held_out(metrics: pb.EpochMetrics) -> bool:
+    """Whether the epoch has held-out figures: evaluated, on some examples."""
+    return metrics.evaluated and not math.isnan(metrics.test_accuracy)
 
 
 _ACTIONS = {pb.CONTINUE: "continue", pb.REREGISTER: "reregister", pb.STOP: "stop"}
@@ -219,7 +227,9 @@ class CoordinatorClient:
         return reply.job_failed
 
     def status(self, *, watching: bool = False) -> dict:
-        """The cluster status as JSON-ready data (what `ps-ctl status --json` prints).
+        """The cluster status as plain data (what `ps-ctl status --json` prints). A training
+        or held-out figure is None where nothing was measured, and NaN or inf where a
+        model's loss overflowed: print it with `ps_common.progress.strict_json` (null).
         `watching`: this client reads it until the job is over (GetStatusRequest.watching)."""
         s = self._call("GetStatus", pb.GetStatusRequest(watching=watching))
         job = s.job
@@ -235,9 +245,12 @@ class CoordinatorClient:
                 "epoch_tasks": job.epoch_tasks, "epoch_tasks_done": job.epoch_tasks_done,
                 "spec": JobSpec.from_json(job.job_json).__dict__ if job.job_json else None,
                 "metrics": [
-                    {"epoch": m.epoch, "loss": _number(m.loss), "accuracy": _number(m.accuracy),
-                     "test_loss": m.test_loss if m.evaluated else None,
-                     "test_accuracy": m.test_accuracy if m.evaluated else None,
+                    {"epoch": m.epoch, "loss": _figure(m.loss, m.examples > 0),
+                     "accuracy": _figure(m.accuracy, m.examples > 0),
+                     # An evaluation of no examples (a model without evaluate) has no
+                     # figures: its accuracy, a count over a count, is NaN for that only.
+                     "test_loss": _figure(m.test_loss, _held_out(m)),
+                     "test_accuracy": _figure(m.test_accuracy, _held_out(m)),
                      "test_auc": m.test_auc if m.HasField("test_auc") else None,
                      "steps": m.steps, "examples": m.examples,
                      # (a coordinator that predates `over` evaluates every epoch, and

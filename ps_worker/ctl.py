@@ -33,6 +33,7 @@ from ps_common.cli import (
     add_tls_arguments, add_token_argument, fail, parse_address, parse_seconds, tls_of,
     token_of,
 )
+from ps_common.progress import strict_json
 from ps_common.rpc import make_channel
 from ps_common.status import RemoteError
 from ps_common.tf_config import TF_CONFIG_ENV, TFConfigError
@@ -287,7 +288,7 @@ def watch(read_status, *, interval_s: float, out=None, as_json: bool = False,
     while True:
         status = read_status()
         if as_json:
-            out.write(json.dumps(status) + "\n")
+            out.write(strict_json(status) + "\n")
         else:
             if tty:
                 out.write(CLEAR_SCREEN)
@@ -516,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"ps-ctl: wrote {args.out} ({epochs} epoch(s))")
         return 0
-    print(json.dumps(status, indent=2) if args.json else render(status))
+    print(strict_json(status, indent=2) if args.json else render(status))
     return 0
 
 

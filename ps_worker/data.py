@@ -336,7 +336,10 @@ def _load_npz(path: Path) -> Dataset:
 def _checked_pair(
     path: Path, x: np.ndarray, y: np.ndarray, x_name: str, y_name: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(x as float (N, F), y as int64 (N,)), or ValueError naming the file and the array."""
+    """(x as float32 (N, F), y as int64 (N,)), or ValueError naming the file and the array.
+
+    The checks are on the arrays training uses, after the cast: a float64 feature beyond
+    float32's range would be inf there, and a label beyond int64's would wrap negative."""
     where = f"data set file {str(path)!r}"
     if x.ndim < 1 or x.shape[0] == 0:
         raise ValueError(f"{where}: {x_name!r} has no examples")
@@ -344,8 +347,11 @@ def _checked_pair(
         raise ValueError(f"{where}: {x_name!r} has non-numeric dtype {x.dtype}")
     # Images and other multi-axis examples become flat feature vectors.
     x = x.reshape(x.shape[0], -1) if x.ndim != 2 else x
+    with np.errstate(over="ignore"):  # an overflow is found just below, and named
+        x = x.astype(np.float32, copy=False)
     if not np.isfinite(x).all():
-        raise ValueError(f"{where}: {x_name!r} contains NaN or infinite values")
+        raise ValueError(f"{where}: {x_name!r} contains NaN or infinite values, or values "
+                         f"beyond float32's range (about 3.4e38 in magnitude)")
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
     if y.ndim != 1:
@@ -359,4 +365,8 @@ def _checked_pair(
         raise ValueError(f"{where}: {y_name!r} has non-integer labels (dtype {y.dtype})")
     if y.min() < 0:
         raise ValueError(f"{where}: {y_name!r} has negative labels; classes must be 0..C-1")
+    # int64 labels: larger ones (uint64 from 2**63, floats like 1e19) would wrap negative.
+    if y.dtype != np.bool_ and y.max() >= 2**63:
+        raise ValueError(f"{where}: {y_name!r} has labels beyond int64 (up to {y.max()}); "
+                         f"classes must be 0..C-1")
     return x, y.astype(np.int64)

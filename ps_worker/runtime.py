@@ -297,6 +297,8 @@ class Trainer:
                 upcoming_rows = self._pull_rows_async(ps, batches[step + 1], (step + 1) % 2)
             params = {**self._on_device(host), **rows}
             loss, grads, correct = self._step(params, (x, y))
+            if step == 0:  # once a task: a model's gradients keep their names and shapes
+                self._check_grads(grads, pulled)
             result.correct += correct
             for name in self.tables:
                 grads[name] = self.backend.sum_rows(grads[name], inverse[name],
@@ -371,14 +373,59 @@ class Trainer:
         correct = self.model.evaluate(params, batch)[1] if hasattr(self.model, "evaluate") else 0
         return loss, grads, int(correct)
 
+    def _check_grads(self, grads, pulled: _RowPull) -> None:
+        """ValueError naming the model and the variable unless `grads` has a float32
+        gradient of the right shape for every variable and table, and no other: a missing
+        one would leave its variable untrained, a misnamed one fail at the servers."""
+        method = ("loss_grads_and_correct" if hasattr(self.model, "loss_grads_and_correct")
+                  else "loss_and_grads")
+        where = f"model {self.job.model!r}: {method}"
+        if not isinstance(grads, dict):
+            raise ValueError(f"{where} returned {type(grads).__name__} gradients, not a dict "
+                             f"of variable name to array")
+        # A table's gradient has a row per id occurrence of the batch (ps_worker.models.base).
+        expected = {s.name: tuple(s.shape) for s in self.dense_specs}
+        expected.update({name: (len(pulled.inverse[name]), table.dim)
+                         for name, table in self.tables.items()})
+        # An undeclared name first: a misspelt one is missing its declared name too, and
+        # this message names both.
+        for name in grads:
+            if name not in expected:
+                raise ValueError(f"{where} returned a gradient for {name!r}, which the model "
+                                 f"does not declare (its variables and tables: "
+                                 f"{sorted(expected)})")
+        for name in expected:
+            if name not in grads:
+                raise ValueError(f"{where} returned no gradient for {name!r}")
+        for name, grad in grads.items():
+            shape, dtype = getattr(grad, "shape", None), getattr(grad, "dtype", None)
+            if shape is None or dtype is None:
+                raise ValueError(f"{where} returned a {type(grad).__name__} for {name!r}, not "
+                                 f"an array")
+            if tuple(shape) != expected[name]:
+                raise ValueError(f"{where} returned a gradient of shape {tuple(shape)} for "
+                                 f"{name!r}, whose shape is {expected[name]}")
+            if np.dtype(dtype) != np.float32:
+                raise ValueError(f"{where} returned a {np.dtype(dtype)} gradient for {name!r}; "
+                                 f"gradients are float32, as the parameters are")
+
     def evaluate(self, ps: PSClient, parameters_read: Callable[[], None] | None = None
                  ) -> TaskResult:
         """Loss and accuracy on the held-out set, and its AUC for a model that gives scores
         of binary labels. A model with tables has the rows of each test batch pulled (the
         next batch's while this one is computed). `parameters_read` is called once every
         value the evaluation measures has been pulled, before it computes: for a model
-        without tables, right after the one pull of its variables."""
+        without tables, right after the one pull of its variables.
+
+        A model with no way to evaluate (`evaluate` is optional) reports no figures: no
+        examples, which the coordinator shows as it does an epoch it does not evaluate."""
         started = time.monotonic()
+        scoring = callable(getattr(self.model, "scores", None)) and \
+            self.dataset.num_classes == 2
+        if not (callable(getattr(self.model, "evaluate", None)) or scoring and callable(
+                getattr(self.model, "evaluate_and_scores", None))):
+            # Nothing to measure, so nothing to pull; completing the task frees the epoch.
+            return TaskResult(seconds=time.monotonic() - started)
         params = self._on_device(ps.pull(self.names, out=self._buffers(0)))
         if parameters_read is not None and not self.tables:
             parameters_read()
@@ -386,8 +433,6 @@ class Trainer:
         indices = np.arange(self.dataset.num_test)
         batch_size = EVAL_BATCH_WITH_TABLES if self.tables else EVAL_BATCH
         batches = iter_batches(self.dataset, indices, batch_size, split="test")
-        scoring = callable(getattr(self.model, "scores", None)) and \
-            self.dataset.num_classes == 2
         scores = []
         batch = next(batches, None)
         upcoming_rows = self._pull_rows_async(ps, batch, 0) if batch is not None else _NO_ROWS
@@ -572,6 +617,17 @@ class Worker:
                     log.warning("a server refused this incarnation's push (%s): it was "
                                 "declared gone", error.target)
                     raise Fenced() from None
+                except ValueError as error:
+                    if self._interrupted():
+                        raise
+                    # The model broke its contract (Trainer checks its gradients and row
+                    # ids) or raised ValueError: the job cannot run here, as when it does
+                    # not load, and the coordinator hears why (it fails the job if no
+                    # worker has shown that it can run) instead of waiting for the task.
+                    message = f"{task.kind} task of epoch {task.epoch}: {error}"
+                    failed = self._coordinator.report_job_error(
+                        self.worker_id, self._incarnation, message)
+                    raise JobCannotRun(message, job_failed=failed) from None
                 if self._interrupted():
                     continue
                 try:

@@ -201,6 +201,8 @@ class Coordinator:
         """Log an epoch that is over as ps-cluster shows it (a coordinator started by hand
         shows the job's progress too)."""
         test = summary.test
+        if test is not None and not test.examples:
+            test = None  # a model without evaluate: no held-out figures, shown as none
         log.info("%s", epoch_line(
             summary.epoch, self.runner.job.epochs, loss=summary.train.mean_loss,
             accuracy=summary.train.accuracy, test_accuracy=test.accuracy if test else None,

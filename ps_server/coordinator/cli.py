@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -19,6 +18,7 @@ from ps_common.cli import (
     setup_logging, tf_config_task,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
+from ps_common.progress import strict_json
 from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import COORDINATOR, TF_CONFIG_ENV, Task
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ps-worker processes will find no job to run", TF_CONFIG_ENV, task.workers)
     try:
         coordinator = Coordinator(config, on_job_over=lambda summary: print(
-            f"ps-coordinator finished: {json.dumps(summary)}", flush=True)).start()
+            f"ps-coordinator finished: {strict_json(summary)}", flush=True)).start()
     except MetricsBindError as error:
         print(f"ps-coordinator: --metrics-port: {error}", file=sys.stderr)
         return 1

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from ps_common.clock import Clock
 from ps_common.errors import FencedIncarnation, InvalidArgument, NotFound
 from ps_common.job import JobSpec
+from ps_common.progress import finite_or_none
 
 log = logging.getLogger(__name__)
 
@@ -816,8 +817,8 @@ class JobRunner:
         snap = self.snapshot()
         last = snap["metrics"][-1] if snap["metrics"] else None
 
-        def number(value):
-            return None if value is None or value != value else value  # NaN -> None
+        # NaN (no examples, or a loss that overflowed) and infinities are not JSON: null.
+        number = finite_or_none
 
         return {
             "state": snap["state"].value,

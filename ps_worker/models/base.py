@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ps_common.job import OPTIMIZER_NAMES
+from ps_common.job import MAX_SEED_OFFSET, OPTIMIZER_NAMES
 
 __all__ = [
     "INITIALIZER_KNOBS",
@@ -77,7 +77,7 @@ class VariableDef:
 
     ``init`` is an initializer name (``"zeros"``) or a dict with ``"name"`` and its knobs
     (``{"name": "uniform", "minval": -0.1, "maxval": 0.1}``). ``seed`` is an offset added to
-    the run's seed so that variables of the same shape start differently.
+    the run's seed so that variables of the same shape start differently (0 to 2**32 - 1).
     """
 
     name: str
@@ -98,8 +98,10 @@ class VariableDef:
             raise ValueError(f"variable {self.name!r}: shape {shape} has a non-positive dimension")
         object.__setattr__(self, "shape", shape)
         self.init_spec()
-        if self.seed < 0:
-            raise ValueError(f"variable {self.name!r}: seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed <= MAX_SEED_OFFSET:
+            # The job's seed plus this offset must fit the wire's int64 (ps_common.job).
+            raise ValueError(f"variable {self.name!r}: seed must be an integer from 0 to "
+                             f"{MAX_SEED_OFFSET}, got {self.seed!r}")
 
     def init_spec(self) -> dict[str, Any]:
         """The initializer as a dict ``{"name": ..., knob: value, ...}``."""
@@ -147,8 +149,11 @@ class EmbeddingDef:
         if _checked_init_spec(what, self.init)["name"] == "glorot_uniform" and self.dynamic:
             # Its scale comes from the row count, which a dynamic table does not have.
             raise ValueError(f"{what}: glorot_uniform needs num_rows (a fixed table)")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"{what}: seed must be an integer >= 0, got {self.seed!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED_OFFSET:
+            # As for VariableDef: the job's seed plus this offset is an int64 on the wire.
+            raise ValueError(
+                f"{what}: seed must be an integer from 0 to {MAX_SEED_OFFSET}, got {self.seed!r}"
+            )
         if self.optimizer is not None:
             if not isinstance(self.optimizer, Mapping):
                 raise ValueError(

@@ -1,5 +1,6 @@
-"""A job whose data or model the workers cannot load fails fast with their message,
-instead of leaving the coordinator waiting for progress that never comes."""
+"""A job whose data or model the workers cannot load, or whose model breaks its contract as
+it trains, fails fast with their message, instead of leaving the coordinator waiting for
+progress that never comes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 pytestmark = pytest.mark.system
 
 
-def _start(argv: list[str]) -> subprocess.Popen:
+def _start(argv: list[str], cwd=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
 
 
 def _address(proc: subprocess.Popen, deadline: float) -> str:
@@ -45,6 +46,50 @@ def test_a_job_with_missing_data_fails_and_every_process_exits(tmp_path):
         assert str(missing) in worker.stderr.read()
         assert coordinator.wait(60) == 1  # the job failed
         assert str(missing) in coordinator.stderr.read()
+        assert server.wait(60) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+FORGETS_THE_BIAS = '''
+from ps_worker.models.example_user_model import SoftmaxRegression
+
+
+class ForgetsTheBias(SoftmaxRegression):
+    def loss_and_grads(self, params, batch):
+        loss, grads = super().loss_and_grads(params, batch)
+        del grads["bias"]
+        return loss, grads
+'''
+
+
+def test_a_model_that_breaks_its_contract_in_training_fails_the_job_with_its_message(tmp_path):
+    """A cluster run by hand: the worker's error reaches the coordinator (ReportJobError, as
+    for a model that does not load), which fails the job instead of waiting for the task."""
+    (tmp_path / "user_models.py").write_text(FORGETS_THE_BIAS)
+    message = "loss_and_grads returned no gradient for 'bias'"
+    procs = []
+    try:
+        coordinator = _start(["ps_server.coordinator.cli", "--port", "0", "--model",
+                              "user_models:ForgetsTheBias", "--epochs", "1",
+                              "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"])
+        procs.append(coordinator)
+        address = _address(coordinator, time.monotonic() + 30)
+        server = _start(["ps_server.cli", "--port", "0", "--coordinator", address,
+                         "--heartbeat-interval", "0.2"])
+        procs.append(server)
+        _address(server, time.monotonic() + 30)
+        # In the model's directory: a worker finds a module in its working directory.
+        worker = _start(["ps_worker.cli", "--coordinator", address, "--worker-id", "w0"],
+                        cwd=tmp_path)
+        procs.append(worker)
+        assert worker.wait(60) == 1
+        assert message in worker.stderr.read()
+        assert coordinator.wait(60) == 1  # the job failed
+        assert message in coordinator.stderr.read()
         assert server.wait(60) == 0
     finally:
         for proc in procs:
