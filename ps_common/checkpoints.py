@@ -27,6 +27,7 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -465,16 +466,17 @@ def newest_good(root: Path) -> tuple[Manifest | None, list[tuple[str, str]]]:
     return None, skipped
 
 
-def prune(root: Path, keep: int, protect: str = "") -> list[str]:
+def prune(root: Path, keep: int, protect: str | Iterable[str] = ()) -> list[str]:
     """Delete all but the newest `keep` finished checkpoints, and unfinished ones older than
-    the newest finished one (a crash left them). `protect` is never deleted."""
+    the newest finished one (a crash left them). `protect` (ids) is never deleted."""
+    protected = {protect} if isinstance(protect, str) else set(protect)
     ids = checkpoint_ids(root)
     finished = [c for c in ids if (root / c / MANIFEST).exists()]
     keep_ids = set(finished[-keep:]) if keep > 0 else set()
     newest = finished[-1] if finished else ""
     removed = []
     for cid in ids:
-        if cid in keep_ids or cid == protect or (cid not in finished and cid > newest):
+        if cid in keep_ids or cid in protected or (cid not in finished and cid > newest):
             continue
         # The manifest goes first: a half-removed checkpoint is an unfinished one, never a
         # corrupt finished one.

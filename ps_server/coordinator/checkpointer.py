@@ -171,7 +171,10 @@ class Checkpointer:
         step, job = self._progress()
         holders = sorted({s.server_id for shards in shard_map.shards.values() for s in shards})
         started = time.monotonic()
-        directory = new_checkpoint_dir(self.catalog.root)
+        try:
+            directory = new_checkpoint_dir(self.catalog.root)
+        except OSError as error:
+            raise _unwritable(self.catalog.root, error) from error
         try:
             parts = {sid: self._pool.submit(self._save_on, sid, shard_map.servers.get(sid, ""),
                                             directory, shard_map.epoch) for sid in holders}
@@ -194,9 +197,16 @@ class Checkpointer:
                 variables=dict(shard_map.variables), shards=shards, files=files,
                 ledgers={sid: f"{sid}.ledger.json" for sid in holders}, job=job,
                 directory=directory)
-            write_manifest(manifest)
+            try:
+                write_manifest(manifest)
+            except OSError as error:
+                raise _unwritable(directory, error) from error
         except BaseException:
-            prune(self.catalog.root, self._keep, protect=self.last.id if self.last else "")
+            # Neither the newest checkpoint taken nor the one restores come from now (an
+            # older one, after a fall-back) may go, whatever --keep-checkpoints says.
+            current = self.catalog.current()
+            prune(self.catalog.root, self._keep,
+                  protect=[m.id for m in (self.last, current) if m is not None])
             raise
         self.last, self.last_taken_at_step = manifest, step
         self.catalog.adopt(manifest)
@@ -246,3 +256,9 @@ def run_periodically(checkpointer: Checkpointer, every: Interval, steps: Callabl
             log.error("checkpoint (%s) failed: %s; trying again in %g s", reason,
                       getattr(error, "message", error), RETRY_AFTER_FAILURE_S)
         last.update(time=time.monotonic(), step=steps())
+
+
+def _unwritable(path: Path, error: OSError) -> CheckpointFailed:
+    return CheckpointFailed(f"the coordinator cannot write checkpoint {path}: "
+                            f"{error.strerror or error} (disk full, no permission or a "
+                            "read-only volume?); nothing of this checkpoint is used")

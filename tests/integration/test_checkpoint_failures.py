@@ -5,9 +5,14 @@ was only out of reach while its shards moved."""
 from __future__ import annotations
 
 
+import errno
+
 import grpc
 import numpy as np
+import pytest
 
+from ps_common.checkpoints import MANIFEST, checkpoint_ids
+from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_server.testing import wait_until
 import ps_server.restore as restore_module
 from ps_worker import PSClient, RetryPolicy
@@ -128,3 +133,32 @@ def test_a_server_back_after_its_shards_moved_drops_its_old_copy(make_cluster, t
         stale.push({"a": np.ones(4, np.float32)})
         np.testing.assert_array_equal(ps.pull("a"), np.full(4, -2.0, np.float32))
         np.testing.assert_array_equal(stale.pull("a"), np.full(4, -2.0, np.float32))
+
+
+def test_a_checkpoint_the_coordinator_cannot_write_names_the_cause(make_cluster, tmp_path,
+                                                                    monkeypatch):
+    """A server that cannot write its part says so (FAILED_PRECONDITION, path and cause);
+    so does the coordinator when its own manifest write hits a full disk, not INTERNAL. The
+    checkpoint before it stays."""
+    from ps_server.coordinator import checkpointer
+
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        cluster.checkpoint()  # the variable is covered: no periodic one races ours
+        (kept,) = checkpoint_ids(tmp_path)
+
+        def disk_full(manifest):
+            raise OSError(errno.ENOSPC, "No space left on device",
+                          str(manifest.directory / MANIFEST))
+
+        monkeypatch.setattr(checkpointer, "write_manifest", disk_full)
+        with grpc.insecure_channel(cluster.coordinator_address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Checkpoint(coordinator_pb2.CheckpointRequest(), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (
+        caught.value.code(), caught.value.details())
+    assert "No space left on device" in caught.value.details(), caught.value.details()
+    assert str(tmp_path) in caught.value.details()
+    assert kept in checkpoint_ids(tmp_path) and (tmp_path / kept / MANIFEST).exists()

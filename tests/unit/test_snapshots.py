@@ -187,3 +187,19 @@ def test_a_dynamic_table_growing_right_after_the_cut_is_saved_as_of_the_cut(tmp_
     tensors = TensorFile(tmp_path / "s.safetensors")
     np.testing.assert_array_equal(tensors.array(values_name("t", 0)), at_cut[0])
     np.testing.assert_array_equal(tensors.array(slot_name("t", 0, "ids")), at_cut[1])
+
+
+def test_prune_keeps_every_protected_checkpoint_whatever_keep_says(tmp_path):
+    from ps_common.checkpoints import MANIFEST, checkpoint_ids, new_checkpoint_dir, prune
+
+    made = []
+    for _ in range(4):
+        directory = new_checkpoint_dir(tmp_path)
+        (directory / MANIFEST).write_text("{}")
+        made.append(directory.name)
+    # The newest is kept by `keep`; the oldest (restores come from it after a fall-back)
+    # and the second by `protect`.
+    removed = prune(tmp_path, 1, protect=[made[0], made[1]])
+    assert removed == [made[2]]
+    assert checkpoint_ids(tmp_path) == [made[0], made[1], made[3]]
+    assert prune(tmp_path, 1, protect=made[1]) == [made[0]]
