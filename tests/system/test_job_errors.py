@@ -28,11 +28,12 @@ def _address(proc: subprocess.Popen, deadline: float) -> str:
     raise AssertionError(f"{proc.args} did not start: {proc.stderr.read()}")
 
 
-def test_a_job_with_missing_data_fails_and_every_process_exits(tmp_path):
-    missing = tmp_path / "missing.npz"
+def _job_fails(job_flags: list[str], message: str, worker_cwd=None) -> None:
+    """A coordinator with `job_flags`, a server and a worker (in `worker_cwd`): the worker
+    and the coordinator exit 1 saying `message`, the server 0; every process is ended."""
     procs = []
     try:
-        coordinator = _start(["ps_server.coordinator.cli", "--port", "0", "--data", str(missing),
+        coordinator = _start(["ps_server.coordinator.cli", "--port", "0", *job_flags,
                               "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"])
         procs.append(coordinator)
         address = _address(coordinator, time.monotonic() + 30)
@@ -40,18 +41,24 @@ def test_a_job_with_missing_data_fails_and_every_process_exits(tmp_path):
                          "--heartbeat-interval", "0.2"])
         procs.append(server)
         _address(server, time.monotonic() + 30)
-        worker = _start(["ps_worker.cli", "--coordinator", address, "--worker-id", "w0"])
+        worker = _start(["ps_worker.cli", "--coordinator", address, "--worker-id", "w0"],
+                        cwd=worker_cwd)
         procs.append(worker)
         assert worker.wait(60) == 1
-        assert str(missing) in worker.stderr.read()
+        assert message in worker.stderr.read()
         assert coordinator.wait(60) == 1  # the job failed
-        assert str(missing) in coordinator.stderr.read()
+        assert message in coordinator.stderr.read()
         assert server.wait(60) == 0
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_a_job_with_missing_data_fails_and_every_process_exits(tmp_path):
+    missing = tmp_path / "missing.npz"
+    _job_fails(["--data", str(missing)], str(missing))
 
 
 FORGETS_THE_BIAS = '''
@@ -70,32 +77,9 @@ def test_a_model_that_breaks_its_contract_in_training_fails_the_job_with_its_mes
     """A cluster run by hand: the worker's error reaches the coordinator (ReportJobError, as
     for a model that does not load), which fails the job instead of waiting for the task."""
     (tmp_path / "user_models.py").write_text(FORGETS_THE_BIAS)
-    message = "loss_and_grads returned no gradient for 'bias'"
-    procs = []
-    try:
-        coordinator = _start(["ps_server.coordinator.cli", "--port", "0", "--model",
-                              "user_models:ForgetsTheBias", "--epochs", "1",
-                              "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"])
-        procs.append(coordinator)
-        address = _address(coordinator, time.monotonic() + 30)
-        server = _start(["ps_server.cli", "--port", "0", "--coordinator", address,
-                         "--heartbeat-interval", "0.2"])
-        procs.append(server)
-        _address(server, time.monotonic() + 30)
-        # In the model's directory: a worker finds a module in its working directory.
-        worker = _start(["ps_worker.cli", "--coordinator", address, "--worker-id", "w0"],
-                        cwd=tmp_path)
-        procs.append(worker)
-        assert worker.wait(60) == 1
-        assert message in worker.stderr.read()
-        assert coordinator.wait(60) == 1  # the job failed
-        assert message in coordinator.stderr.read()
-        assert server.wait(60) == 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    # In the model's directory: a worker finds a module in its working directory.
+    _job_fails(["--model", "user_models:ForgetsTheBias", "--epochs", "1"],
+               "loss_and_grads returned no gradient for 'bias'", worker_cwd=tmp_path)
 
 
 @pytest.mark.parametrize("flags, named", [
