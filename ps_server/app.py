@@ -195,6 +195,8 @@ class ParameterServer:
         self.heartbeat_interval_s = config.heartbeat_interval_s
         self.address = config.advertise_address or advertised_address(config.host, self.port)
         self.server_id = servicer.server_id = config.server_id or self.address
+        self.store.server_id, self.store.address = self.server_id, self.address
+        self.store.last_map = lambda: self.fence.last_map
         if self.metrics is not None:
             self.metrics.register(ServerCollector(self))
         self._stop = threading.Event()

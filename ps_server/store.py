@@ -11,6 +11,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +21,9 @@ from ps_common.errors import (
     UnknownVariable,
 )
 from ps_common.rows import dedup, sum_duplicates
-from ps_common.shardmap import Shard, VariableSpec, owners_of, shard_capacity
+from ps_common.shardmap import (
+    EMPTY_MAP, Shard, ShardMap, VariableSpec, owners_of, shard_capacity,
+)
 from ps_common.shm import VERSION
 from ps_common.tensors import (
     ByteReader, TensorMeta, all_finite, array_reader, check_narrowing, count_non_finite,
@@ -219,6 +222,13 @@ class ShardStore:
         self.gate = UpdateGate()
         self._capture = None  # the checkpoint being written, if any
         self.saving = threading.Lock()  # one checkpoint at a time (snapshots.save)
+        # This server's id and address and the whole shard map it last accepted (set by
+        # ps_server.app): a request for a shard that map places on another server id at this
+        # address was meant for a server that listened here before (a restart under another
+        # id), so it is told to wait for the coordinator to move it, not that the variable
+        # does not exist.
+        self.server_id = self.address = ""
+        self.last_map: Callable[[], ShardMap] = lambda: EMPTY_MAP
 
     def begin_capture(self, capture) -> None:
         with self._lock:
@@ -392,10 +402,26 @@ class ShardStore:
         for ref, held in zip(refs, found):
             if held is None:
                 name, index = ref
+                self._check_not_placed_elsewhere(name, index)
                 if name in known:
                     raise InvalidArgument(f"variable {name!r} has no shard {index} on this server")
                 raise UnknownVariable(f"variable {name!r} is not held by this server")
         return found  # type: ignore[return-value]
+
+    def _check_not_placed_elsewhere(self, name: str, index: int) -> None:
+        """Raise NotReady (UNAVAILABLE: clients retry and refresh their map, as for a server
+        that does not answer) if the last accepted map places this shard on another server
+        id at this server's address: it was asked of a server that no longer listens here.
+        A shard placed on a server elsewhere was misrouted: the caller's error, as before."""
+        last = self.last_map()
+        owner = next((s.server_id for s in last.shards.get(name, ()) if s.index == index), "")
+        if (owner and self.server_id and owner != self.server_id
+                and last.servers.get(owner) == self.address):
+            raise NotReady(
+                f"this is parameter server {self.server_id}; variable {name!r} shard {index} "
+                f"is on {owner} (shard map epoch {last.epoch}), which no longer listens at "
+                f"this address ({self.address}): retry until the coordinator moves its shards "
+                "or it is back")
 
     # ---- data path ---------------------------------------------------------------------
 

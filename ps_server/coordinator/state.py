@@ -25,7 +25,9 @@ from ps_common.clock import Clock
 from ps_common.errors import DataLost, NotReady, SpecConflict
 from ps_common.shardmap import EMPTY_MAP, Shard, ShardMap, VariableSpec
 from ps_server.coordinator.identity import first_number
-from ps_server.coordinator.placement import Candidate, place
+from ps_server.coordinator.placement import (
+    Candidate, footprint, place, server_loads, shard_rows,
+)
 from ps_server.initializers import validate_initializer
 from ps_server.optimizers import resolve_knobs
 
@@ -74,8 +76,9 @@ class ServerEvent:
 
     kind: "down" (its lease ran out), "back" (it heartbeats again after "down"), "timed_out"
     (down, or awaited after a coordinator restart, for longer than the server timeout while
-    it holds shards: its values are lost), "moved" (the same, but its shards were moved to
-    live servers from a checkpoint: `shards` says where)."""
+    it holds shards: its values are lost, as no checkpoint holds them or no live server has
+    room for them), "moved" (the same, but its shards were moved to live servers from a
+    checkpoint: `shards` says where)."""
 
     kind: str
     server_id: str
@@ -530,23 +533,43 @@ class CoordinatorState:
               now: float) -> ServerEvent:
         """Expects the lock held. A server holding shards is gone for good: its shards move
         to the live servers from the current checkpoint, or, when that cannot be, its values
-        are lost (`_time_out`)."""
+        are lost (`_time_out`).
+
+        Targets are chosen as placement chooses them: by footprint (values plus optimizer
+        slots), least loaded first, never past a server's --memory-budget. The move is all or
+        nothing: if one shard fits nowhere, none moves and the loss is reported as when no
+        checkpoint holds the shards (a partial move could not save the job, whose map is no
+        longer served after a data loss, and would only fill the survivors)."""
         shards = self._map.shards_on(server_id)
-        live = sorted(m.server_id for m in self._servers.values()
-                      if m.online_until > now and not m.told_to_stop
-                      and m.server_id not in self._frozen and m.server_id != server_id)
+        live = [m for m in self._servers.values()
+                if m.online_until > now and not m.told_to_stop
+                and m.server_id not in self._frozen and m.server_id != server_id]
         if not live or not all(self._restorable(s) for s in shards):
             return self._time_out(server_id, address, holds)
-        load = {sid: 0 for sid in live}
-        for placed in self._map.shards.values():
-            for shard in placed:
-                if shard.server_id in load:
-                    load[shard.server_id] += shard.nbytes(self._map.variables[shard.variable])
+        loads = server_loads(self._map)
+        load = {m.server_id: loads.get(m.server_id, 0) for m in live}
+        budget = {m.server_id: m.budget_bytes for m in live}
+
+        def cost(shard: Shard) -> int:
+            spec = self._map.variables[shard.variable]
+            return footprint(spec, shard_rows(spec, shard))
+
+        chosen: list[tuple[Shard, str]] = []
+        for shard in sorted(shards, key=lambda s: (-cost(s), s.key)):
+            fits = [sid for sid in sorted(load, key=lambda sid: (load[sid], sid))
+                    if not budget[sid] or load[sid] + cost(shard) <= budget[sid]]
+            if not fits:
+                return self._time_out(server_id, address, holds, self._no_room(
+                    shard, cost(shard), load, budget))
+            load[fits[0]] += cost(shard)
+            chosen.append((shard, fits[0]))
         moved = dict(self._map.shards)
+        # A target that registered after the last placement is not in the map's servers yet.
+        used = {target for _, target in chosen}
+        servers = {**self._map.servers,
+                   **{m.server_id: m.address for m in live if m.server_id in used}}
         targets = []
-        for shard in sorted(shards, key=lambda s: -s.nbytes(self._map.variables[s.variable])):
-            target = min(live, key=lambda sid: (load[sid], sid))
-            load[target] += shard.nbytes(self._map.variables[shard.variable])
+        for shard, target in chosen:
             moved[shard.variable] = tuple(replace(s, server_id=target) if s == shard else s
                                           for s in moved[shard.variable])
             self._restore.setdefault(target, set()).add(shard.key)
@@ -554,12 +577,25 @@ class CoordinatorState:
             targets.append(f"{describe_shard(shard)} -> {target}")
         self._timed_out.add(server_id)
         self._recovery.awaiting.discard(server_id)
-        self._map = replace(self._map, shards=moved, epoch=self._next_epoch())
+        self._map = replace(self._map, servers=servers, shards=moved,
+                            epoch=self._next_epoch())
         for shard in shards:
             self._placement_epoch[shard.key] = self._map.epoch
         manifest = self._catalog.current()
         return ServerEvent("moved", server_id, address, tuple(targets),
                            f"{manifest.id} (step {manifest.step})")
+
+    def _no_room(self, shard: Shard, cost: int, load: dict[str, int],
+                 budget: dict[str, int]) -> str:
+        """Expects the lock held. Why a lost server's shards are not moved from the current
+        checkpoint: no live server has room for `shard` within its memory budget."""
+        manifest = self._catalog.current()
+        room = ", ".join(f"{sid} {load[sid]} of {budget[sid]}" for sid in sorted(load))
+        return (f"the current checkpoint {manifest.id} (step {manifest.step}) holds them, but "
+                f"no live server has room for {describe_shard(shard)} ({cost} bytes with "
+                f"optimizer slots) within its --memory-budget (bytes placed of budget: {room}): "
+                "they are lost to this run. Add servers or raise --memory-budget and restart "
+                "the job, which resumes from that checkpoint")
 
     def _forget_server(self, server_id: str) -> None:
         """Expects the lock held."""
@@ -573,13 +609,13 @@ class CoordinatorState:
             self._map = replace(self._map, epoch=self._next_epoch(), servers={
                 k: v for k, v in self._map.servers.items() if k != server_id})
 
-    def _time_out(self, server_id: str, address: str, holds: tuple[str, ...]) -> ServerEvent:
+    def _time_out(self, server_id: str, address: str, holds: tuple[str, ...],
+                  why: str = "without checkpoints its values are lost") -> ServerEvent:
         """Expects the lock held."""
         self._timed_out.add(server_id)
         self._data_loss = self._data_loss or (
             f"parameter server {server_id} ({address}) has been gone for more than "
-            f"{self._server_timeout:g} s (--server-timeout) holding {', '.join(holds)}; "
-            "without checkpoints its values are lost")
+            f"{self._server_timeout:g} s (--server-timeout) holding {', '.join(holds)}; {why}")
         return ServerEvent("timed_out", server_id, address, holds)
 
     # ---- variables ---------------------------------------------------------------------

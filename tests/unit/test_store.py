@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import ps_server.store as store_module
-from ps_common.shardmap import Component, Shard, VariableSpec
+from ps_common.errors import NotReady, UnknownVariable
+from ps_common.shardmap import Component, Shard, ShardMap, VariableSpec
 from ps_common.tensors import to_wire
 from ps_server.store import GatheredRows, ShardStore
 
@@ -66,3 +67,23 @@ def test_gathered_rows_read_in_any_pieces_are_the_rows_in_the_requests_order(wir
         got = b"".join(bytes(read(offset, min(piece, len(expected) - offset)))
                        for offset in range(0, len(expected), piece))
         assert got == expected, piece
+
+
+def test_a_shard_the_last_map_places_on_another_server_here_is_not_ready_not_unknown():
+    """A server started under another id at a lost server's address is asked for that
+    server's shards: it answers UNAVAILABLE naming both, so that clients wait and refresh
+    their map. A shard of a server at another address (a misrouted request) and a variable
+    no map places anywhere are refused as before."""
+    store = ShardStore()
+    store.server_id, store.address = "ps-other", "h:1"
+    store.last_map = lambda: ShardMap(
+        7, {"ps-0": "h:1", "ps-1": "h:2"}, {"w": SPEC},
+        {"w": (Shard("w", 0, 0, 4, "ps-0"), Shard("w", 1, 4, 8, "ps-1"))})
+    store.assign(7, {"w": SPEC}, [])
+    with pytest.raises(NotReady) as moved:
+        store.lookup([("w", 0)])
+    assert "ps-other" in moved.value.message and "'w' shard 0 is on ps-0" in moved.value.message
+    with pytest.raises(UnknownVariable):
+        store.lookup([("w", 1)])
+    with pytest.raises(UnknownVariable):
+        store.lookup([("nobody", 0)])
