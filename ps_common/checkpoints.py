@@ -9,6 +9,10 @@ ones). No grpc here.
         ...
         manifest.json         variables, shards (row ranges, files), checksums, job progress
 
+A dynamic table's shard has the slots "ids" and "held" too (its pool's bookkeeping), and
+"last_use_age" and "last_use_ago" (seconds and requests from each pool row's last use to the
+cut; a checkpoint written before those were saved lacks them).
+
 Every file is written to a temporary name, fsynced and renamed, and the manifest comes last:
 a directory without a manifest is an unfinished checkpoint and is never read. Files are
 written as they are produced (a shard at a time, never the whole server in memory) with
@@ -41,7 +45,8 @@ MANIFEST = "manifest.json"
 ID_PREFIX = "ckpt-"
 FORMAT = "paramserve-checkpoint"
 VERSION = 1
-# int64 and uint8: an embedding table's per-row adam steps, a dynamic table's ids and flags.
+# int64 and uint8: an embedding table's per-row adam steps, a dynamic table's ids and flags
+# (and requests since each row's last use; float64 its age).
 _SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64",
                        "uint8": "U8"}
 _NUMPY_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
@@ -280,6 +285,9 @@ class TensorFile:
         except (OSError, ValueError, struct.error) as error:
             raise CheckpointError(f"cannot read {path}: {error}") from error
 
+    def has(self, name: str) -> bool:
+        return name in self._header
+
     def array(self, name: str) -> np.ndarray:
         entry = self._header.get(name)
         if entry is None:
@@ -387,21 +395,30 @@ class RowSource:
         return values, updates, steps
 
     def load_table(self, spec: VariableSpec, index: int, stride: int, slot_names: list[str],
+                   optional: dict[str, np.generic] | None = None,
                    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], int, int]:
         """The rows of embedding table `spec` that belong to shard `index` of `stride`,
         from whichever checkpointed shards hold them (the checkpoint may have cut the table
-        into another number of shards): (ids, values, slots, updates, optimizer steps)."""
+        into another number of shards): (ids, values, slots, updates, optimizer steps).
+        `optional` slots are read too where a shard has them; one written before they were
+        saved gets their fill value (its dtype) on every row."""
+        optional = optional or {}
         saved = self.manifest.variables.get(spec.name)
         if saved != spec:
             raise CheckpointError(f"checkpoint {self.manifest.id} holds {spec.name!r} as "
                                   f"{saved.describe() if saved else 'nothing'}, not "
                                   f"{spec.describe()}")
-        ids, values, slots = [], [], {name: [] for name in slot_names}
+        ids, values, slots = [], [], {name: [] for name in [*slot_names, *optional]}
         updates, steps = 0, 0
         for record in self.manifest.shards_of(spec.name):
             source = self._file(record.file)
+            saved_values = source.array(values_name(spec.name, record.index))
             saved_slots = {name: source.array(slot_name(spec.name, record.index, name))
                            for name in slot_names}
+            for name, fill in optional.items():
+                tensor = slot_name(spec.name, record.index, name)
+                saved_slots[name] = (source.array(tensor) if source.has(tensor)
+                                     else np.full(len(saved_values), fill))
             if spec.dynamic:
                 saved_ids = np.asarray(saved_slots["ids"])
                 mine = np.asarray(saved_slots["held"]).astype(bool) & (
@@ -410,8 +427,8 @@ class RowSource:
                 saved_ids = np.arange(record.row_start, record.row_stop, record.stride)
                 mine = owners_of(spec, saved_ids, stride) == index
             ids.append(saved_ids[mine])
-            values.append(source.array(values_name(spec.name, record.index))[mine])
-            for name in slot_names:
+            values.append(saved_values[mine])
+            for name in slots:
                 slots[name].append(saved_slots[name][mine])
             updates, steps = max(updates, record.updates), max(steps, record.optimizer_steps)
         if not ids:

@@ -22,6 +22,12 @@ from ps_common.errors import InvalidArgument
 IDS_SLOT = "ids"
 HELD_SLOT = "held"
 BOOKKEEPING_SLOTS = (IDS_SLOT, HELD_SLOT)
+# Saved beside those (computed at the checkpoint's cut, never held as slots): when each pool
+# row was last used, so that a restored table evicts the rows it would have evicted and its
+# rows keep what was left of their ttl. Ages, not clock readings (a monotonic clock means
+# nothing in another process), and requests since, which order rows used at one reading.
+AGE_SLOT = "last_use_age"  # float64: seconds from the row's last use to the cut
+AGO_SLOT = "last_use_ago"  # int64: requests to the shard since the row's last one, at the cut
 FREE = -1  # find()'s answer for an id the table does not hold
 MIN_POOL_ROWS = 64
 EVICTION_BATCH = 64
@@ -228,14 +234,61 @@ class DynamicRows:
 
     # ---- checkpoints -------------------------------------------------------------------
 
-    def adopt(self, values: np.ndarray, slots: dict[str, np.ndarray]) -> None:
-        """Take over a pool read back from a checkpoint (its rows all count as used now)."""
+    @property
+    def last_use(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every pool row's last request (tick) and clock reading: the arrays themselves, for
+        a checkpoint to copy or read (under the shard's lock) and convert with `cut`."""
+        return self._last_tick, self._last_time
+
+    def cut(self) -> "LastUseCut":
+        """The instant a checkpoint's cut is taken at, to turn `last_use` into ages."""
+        return LastUseCut(self._tick, self._clock())
+
+    def adopt(self, values: np.ndarray, slots: dict[str, np.ndarray],
+              last_use: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Take over a pool read back from a checkpoint. `last_use`: each pool row's age and
+        requests ago at the cut (AGE_SLOT, AGO_SLOT), which may come from several saved
+        shards; without it (a checkpoint written before they were saved) every row counts
+        as used now."""
         held = np.flatnonzero(slots[HELD_SLOT].view(bool))
         ids = slots[IDS_SLOT][held]
         if len(np.unique(ids)) != len(held):
             raise ValueError("a dynamic table's checkpointed ids repeat")
+        now = self._clock()
         self.values, self.slots = values, dict(slots)
         self._index = dict(zip(ids.tolist(), held.tolist()))
         self._free = np.flatnonzero(~slots[HELD_SLOT].view(bool))[::-1].tolist()
         self._last_tick = np.zeros(len(values), np.int64)
-        self._last_time = np.full(len(values), self._clock(), np.float64)
+        self._last_time = np.full(len(values), now, np.float64)
+        self._tick = 0
+        if last_use is None or not len(held):
+            return
+        # fmax maps NaN to 0 too: a row used at the cut, never one past every ttl.
+        age = np.fmax(np.asarray(last_use[0], np.float64)[held], 0.0)
+        ago = np.asarray(last_use[1], np.int64)[held]
+        # The LRU order, rebuilt as ticks 1..n: least recently used first by age (the one
+        # scale that saved shards merged into this one share), then by requests ago (rows of
+        # one saved shard used at one clock reading, as a coarse or fake clock gives). Rows
+        # of one request keep one tick.
+        order = np.lexsort((-ago, -age))
+        step = (np.diff(age[order]) != 0) | (np.diff(ago[order]) != 0)
+        ticks = np.empty(len(held), np.int64)
+        ticks[order] = np.concatenate(([1], 1 + np.cumsum(step)))
+        self._last_tick[held] = ticks
+        self._last_time[held] = now - age  # what was left of the ttl at the cut is left now
+        self._tick = int(ticks.max())
+
+
+class LastUseCut:
+    """A shard's last request and clock reading at a checkpoint's cut: converts blocks of
+    DynamicRows.last_use (rows as they were at the cut) into what a checkpoint saves."""
+
+    def __init__(self, tick: int, time: float):
+        self.tick, self.time = tick, time
+
+    def ago(self, ticks: np.ndarray) -> np.ndarray:
+        return self.tick - ticks
+
+    def age(self, times: np.ndarray) -> np.ndarray:
+        # A free row's time may be 0 (never used): its age is saved, and never read back.
+        return np.maximum(self.time - times, 0.0)

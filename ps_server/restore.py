@@ -19,7 +19,7 @@ import numpy as np
 
 from ps_common.checkpoints import CheckpointError, RowSource
 from ps_common.shardmap import Shard, VariableSpec
-from ps_server.dynamic_rows import BOOKKEEPING_SLOTS
+from ps_server.dynamic_rows import AGE_SLOT, AGO_SLOT, BOOKKEEPING_SLOTS
 from ps_server.optimizers import make_state, resolve_knobs
 from ps_server.store import HeldShard, make_shard_state
 
@@ -90,12 +90,16 @@ class ShardRestore:
         number of shards; a dynamic table's come back as the rows it held."""
         empty = make_shard_state(spec, (0, *spec.shape[1:]))
         slot_names = sorted(empty.slots) + (list(BOOKKEEPING_SLOTS) if spec.dynamic else [])
+        # A checkpoint written before rows' last use was saved: every row used at its cut.
+        last_use = {AGE_SLOT: np.float64(0), AGO_SLOT: np.int64(0)} if spec.dynamic else {}
         ids, values, slots, updates, steps = self._source.load_table(
-            spec, shard.index, shard.stride, slot_names)
+            spec, shard.index, shard.stride, slot_names, last_use)
         if spec.dynamic:
             held = self._new_dynamic(spec, shard)
+            ages, agos = slots.pop(AGE_SLOT), slots.pop(AGO_SLOT)
             held.dynamic.adopt(np.ascontiguousarray(values), {
-                name: np.ascontiguousarray(array) for name, array in slots.items()})
+                name: np.ascontiguousarray(array) for name, array in slots.items()},
+                last_use=(ages, agos))
             held.sync_pool()
         else:
             if len(ids) != shard.num_rows:

@@ -29,6 +29,7 @@ import numpy as np
 from ps_common.checkpoints import (
     FileRecord, TensorFileWriter, slot_name, values_name, write_json,
 )
+from ps_server.dynamic_rows import AGE_SLOT, AGO_SLOT, LastUseCut
 from ps_server.ledger import PushLedger
 from ps_server.memory import MIN_CHECKPOINT_MEMORY
 
@@ -86,19 +87,31 @@ class ShardCopy:
     slots: dict[str, np.ndarray]
     updates: int
     optimizer_steps: int
+    # A dynamic table's last use of each pool row (DynamicRows.last_use), and the instant
+    # the copy was taken at: a pull that makes rows may copy a shard before the cut reaches
+    # its lock, and then the copy is the cut.
+    last_use: tuple[np.ndarray, np.ndarray] | None = None
+    cut: LastUseCut | None = None
 
     @classmethod
     def of(cls, held) -> "ShardCopy":
-        return cls(held.values.copy(), {k: v.copy() for k, v in held.state.slots.items()},
+        copy = cls(held.values.copy(), {k: v.copy() for k, v in held.state.slots.items()},
                    held.updates, held.state.steps)
+        if held.dynamic is not None:
+            copy.last_use = tuple(a.copy() for a in held.dynamic.last_use)
+            copy.cut = held.dynamic.cut()
+        return copy
 
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + sum(v.nbytes for v in self.slots.values())
+        return self.values.nbytes + sum(v.nbytes for v in self.slots.values()) + sum(
+            a.nbytes for a in self.last_use or ())
 
 
 def shard_bytes(held) -> int:
-    return held.values.nbytes + sum(v.nbytes for v in held.state.slots.values())
+    """What ShardCopy.of(held) copies."""
+    return held.values.nbytes + sum(v.nbytes for v in held.state.slots.values()) + (
+        0 if held.dynamic is None else sum(a.nbytes for a in held.dynamic.last_use))
 
 
 class Capture:
@@ -192,14 +205,16 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
         # rows are made, but any change after this point preserves a copy first (the
         # shapes are then the copy's: a pull that makes rows is not held back by the gate),
         # and a change begun before it has ended once its lock is ours.
-        layout = {}
+        # A dynamic table's rows' last use is saved as ages at this instant (`cuts`).
+        layout, cuts = {}, {}
         for held in shards:
             with held.lock:
                 copy = capture.copy_of(held)
-                values, slots = ((copy.values, copy.slots) if copy is not None
-                                 else (held.values, held.state.slots))
-                layout[id(held)] = [(tensor, str(array.dtype), array.shape)
-                                    for tensor, array in _tensors_of(held, values, slots)]
+                if held.dynamic is not None:
+                    cuts[id(held)] = copy.cut if copy is not None else held.dynamic.cut()
+                layout[id(held)] = [
+                    (tensor, str(array.dtype), array.shape) for tensor, array, _ in
+                    _tensors_of(held, _arrays(held, copy), cuts.get(id(held)))]
     try:
         ledger_file = write_json(directory / f"{server_id}.ledger.json", ledger_state)
         tensors_name = f"{server_id}.safetensors"
@@ -211,7 +226,7 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
         try:
             for held in shards:
                 saved.append(_write_shard(writer, capture, held, tensors_name,
-                                          layout[id(held)]))
+                                          layout[id(held)], cuts.get(id(held))))
             tensors_file = writer.commit()
         except BaseException:
             writer.abort()
@@ -223,15 +238,32 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
     return SaveOutcome([tensors_file, ledger_file], saved, pushes)
 
 
-def _tensors_of(held, values: np.ndarray, slots: dict[str, np.ndarray]):
-    """A shard's tensors in file order: its values, then its slots by name."""
+def _arrays(held, copy: ShardCopy | None):
+    """The shard's values, slots and (a dynamic table's) last use: from the copy a push
+    preserved, if any, else the live ones."""
+    if copy is not None:
+        return copy.values, copy.slots, copy.last_use
+    return (held.values, held.state.slots,
+            None if held.dynamic is None else held.dynamic.last_use)
+
+
+def _tensors_of(held, arrays, cut: LastUseCut | None):
+    """A shard's tensors in file order: its values, its slots by name, then a dynamic
+    table's last use. Each with what turns a block of it into what is written: last use is
+    held as ticks and clock readings, and saved as requests and seconds before the cut."""
     name, index = held.key
-    return [(values_name(name, index), values)] + [
-        (slot_name(name, index, slot), slots[slot]) for slot in sorted(slots)]
+    values, slots, last_use = arrays
+    tensors = [(values_name(name, index), values, None)] + [
+        (slot_name(name, index, slot), slots[slot], None) for slot in sorted(slots)]
+    if last_use is not None:
+        ticks, times = last_use
+        tensors += [(slot_name(name, index, AGE_SLOT), times, cut.age),
+                    (slot_name(name, index, AGO_SLOT), ticks, cut.ago)]
+    return tensors
 
 
 def _write_shard(writer: TensorFileWriter, capture: Capture, held, file: str,
-                 layout: list) -> SavedShardInfo:
+                 layout: list, cut: LastUseCut | None) -> SavedShardInfo:
     """Write one shard as it was at the cut. Blocks are read from the live values under the
     shard's lock (held for one block's copy, never for the disk); once a push has preserved
     the shard (it copies it before changing it), the rest comes from that copy."""
@@ -248,12 +280,17 @@ def _write_shard(writer: TensorFileWriter, capture: Capture, held, file: str,
             with held.lock:
                 copy = copy or capture.copy_of(held)
                 if copy is None:
-                    flat = _tensors_of(held, held.values, held.state.slots)[
-                        position_in_shard][1].reshape(-1)
-                    block = flat[position:position + BLOCK_ELEMENTS].copy()
+                    _, array, convert = _tensors_of(held, _arrays(held, None), cut)[
+                        position_in_shard]
+                    block = array.reshape(-1)[position:position + BLOCK_ELEMENTS].copy()
             if copy is not None:
-                block = _tensors_of(held, copy.values, copy.slots)[
-                    position_in_shard][1].reshape(-1)[position:total]
+                _, array, convert = _tensors_of(held, _arrays(held, copy), cut)[
+                    position_in_shard]
+                # A converted block is new memory: one block's, as for live reads.
+                stop = total if convert is None else position + BLOCK_ELEMENTS
+                block = array.reshape(-1)[position:stop]
+            if convert is not None:
+                block = convert(block)
             if not block.size:
                 raise RuntimeError(f"{held.describe()}: {tensor} holds fewer than the "
                                    f"{total} elements it had at the checkpoint's cut")

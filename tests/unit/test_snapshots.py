@@ -203,3 +203,37 @@ def test_prune_keeps_every_protected_checkpoint_whatever_keep_says(tmp_path):
     assert removed == [made[2]]
     assert checkpoint_ids(tmp_path) == [made[0], made[1], made[3]]
     assert prune(tmp_path, 1, protect=made[1]) == [made[0]]
+
+
+def test_a_dynamic_table_saves_its_rows_last_use_as_of_the_cut(tmp_path, monkeypatch):
+    """Seconds and requests from each row's last use to the cut, not clock readings: rows
+    touched and made after the cut (the shard is then written from its copy) are saved as
+    they were, a block at a time."""
+    import ps_server.snapshots as snapshots
+
+    monkeypatch.setattr(snapshots, "BLOCK_ELEMENTS", 2)
+    now = [100.0]
+    spec = VariableSpec("t", (0, 4), kind="embedding", initializer=Component.of("zeros"),
+                        optimizer=Component.of({"name": "sgd", "lr": 1.0}))
+    store = ShardStore(clock=lambda: now[0])
+    store.assign(1, {"t": spec}, [Shard("t", 0, 0, 0, "s", 1)])
+    pull_table_rows(store, np.arange(32))
+    now[0] = 102.0
+    pull_table_rows(store, np.arange(32, 64))
+    now[0] = 103.0
+    real_begin = store.begin_capture
+
+    def begin_then_pull(capture):
+        real_begin(capture)
+        pull_table_rows(store, np.r_[np.arange(10), np.arange(1000, 1010)])
+
+    store.begin_capture = begin_then_pull
+    save(store, PushLedger(), tmp_path, "s", epoch=1)
+
+    tensors = TensorFile(tmp_path / "s.safetensors")
+    ids = tensors.array(slot_name("t", 0, "ids"))
+    assert sorted(ids.tolist()) == list(range(64))
+    age = tensors.array(slot_name("t", 0, "last_use_age"))
+    ago = tensors.array(slot_name("t", 0, "last_use_ago"))
+    np.testing.assert_array_equal(age, np.where(ids < 32, 3.0, 1.0))
+    np.testing.assert_array_equal(ago, np.where(ids < 32, 1, 0))
