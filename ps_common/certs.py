@@ -24,8 +24,10 @@ DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 
 def make_certs(out: str | os.PathLike, hosts=DEFAULT_HOSTS, *, days: int = 365) -> list[Path]:
     """Write FILES into `out` (created if missing); returns their paths. Raises ValueError
-    for an empty host list or a directory that already holds one of the files (never
-    overwrites a key)."""
+    naming the flag at fault (--hosts, --days, --out) for an empty host list, a host name the
+    certificate cannot hold, an end date past the year 9999, an `out` that is not a directory
+    or cannot be created, or one that already holds one of the files (never overwrites a
+    key). Every flag is checked before anything is written."""
     # Imported here: only this command needs the cryptography library.
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -35,15 +37,25 @@ def make_certs(out: str | os.PathLike, hosts=DEFAULT_HOSTS, *, days: int = 365) 
     hosts = [h.strip() for h in hosts if h.strip()]
     if not hosts:
         raise ValueError("--hosts: give at least one host name or IP address")
+    alt_names = [_alt_name(x509, host) for host in hosts]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    except OverflowError:  # datetime ends with the year 9999
+        raise ValueError(f"--days {days}: the certificates would end after the year 9999; "
+                         "give fewer days") from None
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a parent that is a file, no permission, a read-only disk
+        raise ValueError(f"--out {out}: cannot create the directory: "
+                         f"{error.strerror or error}") from None
     existing = [name for name in FILES if (out / name).exists()]
     if existing:
         raise ValueError(f"--out {out}: already holds {', '.join(existing)}; "
                          "choose an empty directory (keys are never overwritten)")
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     def name(common: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "paramserve"),
@@ -77,12 +89,6 @@ def make_certs(out: str | os.PathLike, hosts=DEFAULT_HOSTS, *, days: int = 365) 
             cert = cert.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
         return cert.sign(ca_key, hashes.SHA256()), key
 
-    alt_names = []
-    for host in hosts:
-        try:
-            alt_names.append(x509.IPAddress(ipaddress.ip_address(host.strip("[]"))))
-        except ValueError:
-            alt_names.append(x509.DNSName(host))
     server, server_key = leaf(hosts[0], [ExtendedKeyUsageOID.SERVER_AUTH,
                                          ExtendedKeyUsageOID.CLIENT_AUTH], alt_names)
     client, client_key = leaf("paramserve client", [ExtendedKeyUsageOID.CLIENT_AUTH], [])
@@ -103,9 +109,33 @@ def make_certs(out: str | os.PathLike, hosts=DEFAULT_HOSTS, *, days: int = 365) 
     for filename in FILES:
         data, mode = contents[filename]
         path = out / filename
-        # O_EXCL: never replace a file that appeared since the check above.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            # O_EXCL: never replace a file that appeared since the check above.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except OSError as error:  # a directory that exists but is not writable, say
+            raise ValueError(f"--out {out}: cannot write {filename}: "
+                             f"{error.strerror or error}") from None
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         written.append(path)
     return written
+
+
+def _alt_name(x509, host: str):
+    """The subject alternative name for `host`: an IP address, else a DNS name; ValueError
+    naming --hosts for a name the certificate cannot hold as it is."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        pass
+    if not host.isascii():
+        # A certificate holds the ASCII (IDNA) form of a name, which is what clients compare.
+        try:
+            hint = f" ({host.encode('idna').decode('ascii')})"
+        except UnicodeError:
+            hint = ""
+        raise ValueError(f"--hosts {host}: give the name's ASCII (IDNA) form{hint}")
+    try:
+        return x509.DNSName(host)
+    except ValueError as error:
+        raise ValueError(f"--hosts {host}: {error}") from None

@@ -15,7 +15,10 @@ the README lists them all.
 
 from __future__ import annotations
 
+import logging
 import socket
+import socketserver
+import sys
 import threading
 import time
 from typing import Iterable
@@ -31,14 +34,18 @@ NAMESPACE = "paramserve"
 # (up to 30 s).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-# A scrape whose client sends nothing for this long is dropped (scrapes are served one at a
-# time: a stalled client must not hold the endpoint).
+# A scrape whose client sends nothing for this long is dropped: its thread must not live on.
 SCRAPE_TIMEOUT_S = 10.0
+# Scrapes served at once, each on a thread of its own; a connection beyond them is closed at
+# once, so that clients that connect and send nothing cannot pile up threads.
+MAX_SCRAPES = 8
 # How often the endpoint's thread looks whether it was told to stop.
 _POLL_S = 0.1
 # Methods outside the daemon's own services (possible only for calls refused for want of
 # the token) share this label, so that callers cannot make up label values.
 OTHER_METHOD = "other"
+
+log = logging.getLogger(__name__)
 
 
 class MetricsBindError(OSError):
@@ -52,6 +59,47 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # one line per scrape on stderr is noise
 
 
+class _ScrapeServer(socketserver.ThreadingMixIn, WSGIServer):
+    """Serves each scrape on a daemon thread of its own, at most MAX_SCRAPES at once: a client
+    that connects and sends nothing holds neither the other scrapes nor `shutdown()`, which
+    then waits only for the accept loop."""
+
+    daemon_threads = True
+    # server_close() must not join the scrapes' threads either: a stalled client's ends
+    # with SCRAPE_TIMEOUT_S or with the process.
+    block_on_close = False
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics: %d scrapes in progress; closing the connection of %s",
+                      MAX_SCRAPES, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started (none left to the process, say)
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        error = sys.exc_info()[1]
+        if isinstance(error, (TimeoutError, ConnectionError)):
+            # A client that went silent or away: its business, not an error of the daemon's.
+            log.debug("metrics: scrape from %s ended: %r", client_address, error)
+        else:
+            log.warning("metrics: scrape from %s failed", client_address, exc_info=True)
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -60,10 +108,11 @@ class MetricsEndpoint:
     """A registry and the HTTP server that serves it at `url` (http://HOST:PORT/metrics).
 
     The port is bound in the constructor (`port` 0: any free one; `.port` is the one bound),
-    which raises MetricsBindError naming the address when it cannot be. `start()` serves
-    from a thread of its own, one scrape at a time; `stop()` ends that thread and frees the
-    port (also for an endpoint never started). The registry holds the process's memory and
-    CPU (`paramserve_process_*`); add the daemon's own collectors with `register`.
+    which raises MetricsBindError naming the address when it cannot be. `start()` accepts
+    from a thread of its own and serves each scrape on another (_ScrapeServer); `stop()`
+    ends the accepting thread and frees the port (also for an endpoint never started). The
+    registry holds the process's memory and CPU (`paramserve_process_*`); add the daemon's
+    own collectors with `register`.
     """
 
     def __init__(self, host: str, port: int, *, name: str):
@@ -74,7 +123,7 @@ class MetricsEndpoint:
             family = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM,
                                         flags=socket.AI_PASSIVE)[0][0]
 
-            class Server(WSGIServer):
+            class Server(_ScrapeServer):
                 address_family = family
 
             self._httpd = Server((bare, port), _QuietHandler)
@@ -97,15 +146,16 @@ class MetricsEndpoint:
         self._thread.start()
 
     def stop(self) -> None:
-        """Thread-safe; returns once the endpoint no longer serves (at most one scrape in
-        progress, bounded by SCRAPE_TIMEOUT_S)."""
+        """Thread-safe; returns once the endpoint accepts no more connections, without
+        waiting for a scrape in progress (it ends by itself, within SCRAPE_TIMEOUT_S of its
+        client's silence, or with the process)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         if self._thread.is_alive():
-            self._httpd.shutdown()
-            self._thread.join(SCRAPE_TIMEOUT_S + 1.0)
+            self._httpd.shutdown()  # waits for the accept loop only (within _POLL_S)
+            self._thread.join()
         self._httpd.server_close()
 
 

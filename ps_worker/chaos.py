@@ -140,7 +140,12 @@ def missing_evidence(kill: Kill, status: dict) -> str | None:
     if target.role == "coordinator":
         if status["generation"] == kill.before["generation"]:
             return "the coordinator answering is the one that was killed"
-        away = [s["id"] for s in status["servers"] if s["state"] != "alive"]
+        # A restarted coordinator lists in `servers` only those that registered with it; the
+        # rest of the shard map it recovered are in `awaiting_servers` until they do.
+        alive = {s["id"] for s in status["servers"] if s["state"] == "alive"}
+        away = sorted(set(status.get("awaiting_servers", []))
+                      | ({s["id"] for s in kill.before["servers"]} - alive)
+                      | {s["id"] for s in status["servers"] if s["state"] != "alive"})
         return f"server(s) {away} not registered again" if away else None
     row, earlier = member_row(status, target), member_row(kill.before, target)
     if row is None or earlier is None:

@@ -23,16 +23,18 @@ from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 class CoordinatorUnreachable(ConnectionError):
-    def __init__(self, address: str, seconds: float, cause: RemoteError):
+    def __init__(self, address: str, seconds: float, cause: RemoteError, *,
+                 address_from: str = "--coordinator"):
         # A connection that failed for a reason of TLS says what to check; the rest of
         # gRPC's message names nothing the user does not know.
         # The hint of gRPC's own message: the cause's message leads with it already, and
         # its words would read as another failure's to connection_hint.
+        # `address_from`: the flag or variable the address came from, the one to check.
         hint = cause.connection_hint
         hint = f": {hint}" if hint else ""
         super().__init__(
             f"cannot reach the coordinator at {address} (gave up after about {seconds:g} s: "
-            f"{cause.code().name}{hint}); check --coordinator and that ps-coordinator is "
+            f"{cause.code().name}{hint}); check {address_from} and that ps-coordinator is "
             "running")
         self.address = address
 
@@ -79,12 +81,14 @@ class CoordinatorClient:
     `stop`: once set, a call that is retrying gives up at once with RemoteError CANCELLED
     (e.g. a worker on SIGTERM does not wait out `give_up_after_s` of an absent coordinator),
     and so does a lease waiting for a task once `interrupt_waits()` is called.
+    `address_from`: where `address` came from, named by CoordinatorUnreachable.
     """
 
     def __init__(self, address: str, *, give_up_after_s: float = 30.0, rpc_timeout_s: float = 10.0,
                  stop: threading.Event | None = None, token: str | None = None,
-                 tls: TLS | None = None):
+                 tls: TLS | None = None, address_from: str = "--coordinator"):
         self.address = address
+        self._address_from = address_from
         self._stop = stop
         self._give_up_after_s = give_up_after_s
         self._timeout = rpc_timeout_s
@@ -118,7 +122,8 @@ class CoordinatorClient:
                                    stop=self._stop)
         except RemoteError as error:
             if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise CoordinatorUnreachable(self.address, self._give_up_after_s, error) from None
+                raise CoordinatorUnreachable(self.address, self._give_up_after_s, error,
+                                             address_from=self._address_from) from None
             raise
 
     def _waiting(self, future: grpc.Future):

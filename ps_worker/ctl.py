@@ -471,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.count is not None and (args.watch is None or args.count < 1):
             parser.error(f"--count {args.count}: needs --watch and N >= 1")
     local = args.command == "plot" and args.source is not None
+    # Where the address came from, for errors: the flag at fault, as ps-worker names it.
+    where = "--coordinator" if args.coordinator is not None else f"{TF_CONFIG_ENV} cluster.chief"
     if args.coordinator is None and not local and os.environ.get(TF_CONFIG_ENV, "").strip():
         # Inside a TFJob's pod (`kubectl exec ... ps-ctl status`): the chief is the coordinator.
         try:
@@ -489,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with CoordinatorClient(args.coordinator, give_up_after_s=args.timeout,
                                    rpc_timeout_s=args.timeout, token=token,
-                                   tls=tls) as coordinator:
+                                   tls=tls, address_from=where) as coordinator:
                 if args.command == "checkpoint":
                     print(json.dumps(coordinator.checkpoint()))
                     return 0
@@ -501,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C, e.g. ending --watch
             return 130
         except CoordinatorUnreachable as error:
-            print(f"ps-ctl: --coordinator {args.coordinator}: {error}", file=sys.stderr)
+            print(f"ps-ctl: {where} {args.coordinator}: {error}", file=sys.stderr)
             return 1
         except RemoteError as error:
             print(f"ps-ctl: {error}", file=sys.stderr)
