@@ -80,7 +80,13 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                         worker_id=args.worker_id or (task.name if task else None),
                         coordinator_timeout_s=args.coordinator_timeout,
                         shared_memory=not args.no_shm, step_delay_s=args.step_delay,
-                        token=token_of(parser, args), tls=tls_of(parser, args))
+                        token=token_of(parser, args), tls=tls_of(parser, args),
+                        coordinator_from=_coordinator_from(args))
+
+
+def _coordinator_from(args: argparse.Namespace) -> str:
+    """Where the coordinator's address came from: what its errors tell the user to check."""
+    return "--coordinator" if args.coordinator else f"{TF_CONFIG_ENV} cluster.chief"
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -155,8 +161,8 @@ def _run(worker: Worker, args: argparse.Namespace, config: WorkerConfig) -> int:
     except BackendUnavailable as error:
         print(f"ps-worker: --device {args.device}: {error}", file=sys.stderr)
     except CoordinatorUnreachable as error:
-        where = "--coordinator" if args.coordinator else f"{TF_CONFIG_ENV} cluster.chief"
-        print(f"ps-worker: {where} {config.coordinator}: {error}", file=sys.stderr)
+        print(f"ps-worker: {config.coordinator_from} {config.coordinator}: {error}",
+              file=sys.stderr)
     except (JobError, ValueError) as error:
         print(f"ps-worker: the job cannot run here: {error}", file=sys.stderr)
     except RemoteError as error:

@@ -76,6 +76,8 @@ class WorkerConfig:
     # How long the coordinator may stay unreachable (at start, or during training) before
     # the worker gives up with an error naming its address.
     coordinator_timeout_s: float = 30.0
+    # Where `coordinator` came from (a flag, TF_CONFIG): what that error tells one to check.
+    coordinator_from: str = "--coordinator"
     max_in_flight_pushes: int = 2
     # Pull and push through shared memory with servers on this host that offer it (and the
     # job allows it); False: gRPC only (--no-shm).
@@ -487,7 +489,7 @@ class Worker:
         self._job_over = threading.Event()
         self._coordinator = CoordinatorClient(
             config.coordinator, give_up_after_s=config.coordinator_timeout_s, stop=self._stop,
-            token=config.token, tls=config.tls)
+            token=config.token, tls=config.tls, address_from=config.coordinator_from)
         self._client: PSClient | None = None  # the incarnation's PSClient, to interrupt
         self._client_lock = threading.Lock()
         self._incarnation = 0

@@ -23,3 +23,15 @@ def test_an_unreachable_chief_from_tf_config_is_named_as_tf_configs(monkeypatch,
     assert "TF_CONFIG" in err, err
     assert not err.startswith(f"ps-ctl: --coordinator {NOBODY}"), err
     assert "--coordinator" not in err, err
+
+
+def test_ps_worker_names_tf_config_too(monkeypatch, capsys):
+    from ps_worker import cli
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": [NOBODY], "ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]},
+        "task": {"type": "worker", "index": 0}}))
+    assert cli.worker_main(["--coordinator-timeout", "0.5", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert f"TF_CONFIG cluster.chief {NOBODY}" in err, err
+    assert "--coordinator" not in err, err
