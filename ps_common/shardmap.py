@@ -82,6 +82,9 @@ class VariableSpec:
     ttl_seconds: float = 0.0
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise InvalidArgument(f"variable name must be a str, got {type(self.name).__name__} "
+                                  f"{self.name!r}")
         if not self.name:
             raise InvalidArgument("variable name must not be empty")
         if self.kind not in KINDS:

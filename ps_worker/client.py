@@ -300,6 +300,9 @@ class PSClient:
         self._pending: set[futures.Future] = set()
         self._failed: list[futures.Future] = []  # finished push_async calls not yet flushed
         self._closed = False
+        # Set by close() once its calls in flight are over: every later call is refused
+        # (no channel is opened again, nothing is sent under the released incarnation).
+        self._shut = threading.Event()
         self._interrupted = threading.Event()  # see interrupt()
         self._wire_calls: set = set()  # data-path calls in progress (interrupt cancels them)
         self._unreachable: set[str] = set()  # servers whose outage has been logged
@@ -375,9 +378,25 @@ class PSClient:
         for channel in channels:
             channel.close()
 
+    def _refuse_if_closed(self) -> None:
+        if self._shut.is_set():
+            raise _local_error(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this PSClient is closed: make a new one")
+
+    def _submit(self, pool: futures.ThreadPoolExecutor, fn, *args, **kwargs) -> futures.Future:
+        """`pool.submit`, refused as any call is once the client is closed (a pool shut
+        down by close() would raise RuntimeError)."""
+        self._refuse_if_closed()
+        try:
+            return pool.submit(fn, *args, **kwargs)
+        except RuntimeError:
+            self._refuse_if_closed()  # closed meanwhile
+            raise
+
     def _coordinator_call(self, method: str, request, timeout: float):
         """A call to the coordinator that interrupt() cancels (a declare may wait long for
         its shards, a refresh for a coordinator that restarts)."""
+        self._refuse_if_closed()
         call = getattr(self._coordinator, method).future(request, timeout=timeout)
         with self._on_the_wire(call):
             try:
@@ -391,6 +410,7 @@ class PSClient:
         try:
             return method(request, timeout=timeout)
         except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
+            self._refuse_if_closed()  # close() in another thread closed it
             if not self._interrupted.is_set():
                 raise
             raise _local_error(grpc.StatusCode.CANCELLED,
@@ -422,6 +442,7 @@ class PSClient:
         self._async_pool.shutdown(wait=True)
         self._prefetch_pool.shutdown(wait=True)
         self._rpc_pool.shutdown(wait=True)
+        self._shut.set()
         self._release_incarnation()
         self._one_call_pulls.clear()
         with self._lock:
@@ -541,6 +562,10 @@ class PSClient:
                                       "None for a dynamic table")
         except InvalidArgument as error:
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+        except (TypeError, ValueError) as error:  # int("abc"), say: a field of the wrong type
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"declare_embedding {name!r}: a field of the wrong type or "
+                               f"value ({error})") from None
         self.declare_many([spec])
         return spec
 
@@ -552,6 +577,10 @@ class PSClient:
                 initializer=Component.of(init), optimizer=Component.of(optimizer), seed=int(seed))
         except InvalidArgument as error:
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+        except (TypeError, ValueError) as error:  # int("abc"), say: a field of the wrong type
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"declare {name!r}: shape {shape!r} or seed {seed!r} is not made "
+                               f"of integers ({error})") from None
 
     # ---- pull --------------------------------------------------------------------------
 
@@ -630,7 +659,8 @@ class PSClient:
                    out: Mapping[str, np.ndarray] | None = None) -> futures.Future:
         """`pull` in the background (e.g. the next step's parameters while this step
         computes); returns a Future of what `pull` returns."""
-        return self._prefetch_pool.submit(self.pull, names, wire_dtype=wire_dtype, out=out)
+        return self._submit(self._prefetch_pool, self.pull, names, wire_dtype=wire_dtype,
+                            out=out)
 
     def _pull_outputs(self, shard_map: ShardMap, names: list[str],
                       out: Mapping[str, np.ndarray] | None,
@@ -649,7 +679,7 @@ class PSClient:
     def _check_wire_dtype(spec: VariableSpec, wire_dtype: str | None) -> None:
         if wire_dtype is None:
             return
-        if wire_dtype not in WIRE_DTYPES:
+        if not isinstance(wire_dtype, str) or wire_dtype not in WIRE_DTYPES:
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"wire_dtype {wire_dtype!r} is not one of {WIRE_DTYPES}")
         if wire_itemsize(wire_dtype) > np.dtype(spec.dtype).itemsize:
@@ -739,6 +769,7 @@ class PSClient:
         address = shard_map.servers[server_id]
         if self._interrupted.is_set():  # as _stub() refuses a call over gRPC
             raise _local_error(grpc.StatusCode.CANCELLED, "the client was interrupted")
+        self._refuse_if_closed()
         if not self._use_shared_memory:
             self._paths[address] = "grpc"
             return None
@@ -825,8 +856,8 @@ class PSClient:
     def pull_rows_async(self, name: str, ids, *, out: np.ndarray | None = None,
                         wire_dtype: str | None = None) -> futures.Future:
         """`pull_rows` in the background; returns a Future of its array."""
-        return self._prefetch_pool.submit(self.pull_rows, name, ids, out=out,
-                                          wire_dtype=wire_dtype)
+        return self._submit(self._prefetch_pool, self.pull_rows, name, ids, out=out,
+                            wire_dtype=wire_dtype)
 
     def push_rows(self, name: str, ids, grads, *, wire_dtype: str | None = None) -> None:
         """Gradients of the rows of table `name` for `ids` (int64, any order; the gradients
@@ -1190,9 +1221,10 @@ class PSClient:
         return self._push_in_background(self.push, grads, wire_dtype=wire_dtype)
 
     def _push_in_background(self, push, *args, **kwargs) -> futures.Future:
+        self._refuse_if_closed()
         self._window.acquire()
         try:
-            future = self._async_pool.submit(push, *args, **kwargs)
+            future = self._submit(self._async_pool, push, *args, **kwargs)
         except BaseException:
             self._window.release()
             raise
@@ -1391,7 +1423,7 @@ class PSClient:
                                f"variable {name!r}: gradient dtype {grad.dtype} is not a float "
                                f"dtype; expected {spec.dtype}")
         wire = wire_dtype or grad.dtype.name
-        if wire not in WIRE_DTYPES:
+        if not isinstance(wire, str) or wire not in WIRE_DTYPES:
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"variable {name!r}: wire dtype {wire} is not one of "
                                f"{WIRE_DTYPES}")
@@ -1626,6 +1658,7 @@ class PSClient:
         with self._lock:
             if self._interrupted.is_set():  # its channels are closed: no new ones
                 raise _local_error(grpc.StatusCode.CANCELLED, "the client was interrupted")
+            self._refuse_if_closed()
             stub = self._stubs.get(address)
             if stub is None:
                 channel = self._channels[address] = make_channel(address, self._token, self._tls)
@@ -1685,7 +1718,7 @@ class PSClient:
     def _server_moved(self, used: ShardMap, server_id: str) -> bool:
         """Whether the coordinator's map puts `server_id` elsewhere than `used` does, or no
         longer has it. One attempt, no retries: a coordinator that does not answer says no."""
-        if self._interrupted.is_set():
+        if self._interrupted.is_set() or self._shut.is_set():
             return False
         try:
             reply = self._coordinator.GetShardMap(coordinator_pb2.GetShardMapRequest(),
@@ -1707,7 +1740,7 @@ class PSClient:
             return
         (first_id, first_group), *others = groups.items()
         # The first group runs in this thread: one handoff fewer per call.
-        pending = [self._rpc_pool.submit(fn, sid, group) for sid, group in others]
+        pending = [self._submit(self._rpc_pool, fn, sid, group) for sid, group in others]
         try:
             fn(first_id, first_group)
         finally:
