@@ -8,6 +8,7 @@ function for both sides. No grpc, no protobuf.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -40,9 +41,11 @@ class Component:
                 raise InvalidArgument(f"{value!r} has no string 'name'")
             params = []
             for key, knob in sorted(knobs.items()):
-                if isinstance(knob, bool):
+                if isinstance(knob, (bool, np.bool_)):
                     knob = float(knob)
-                if not isinstance(knob, (int, float)):
+                # numbers.Real takes NumPy's scalars too (a learning rate read from a float32
+                # array), which are no int or float.
+                if not isinstance(knob, numbers.Real):
                     raise InvalidArgument(f"{name}: knob {key!r} must be a number, got {knob!r}")
                 params.append((str(key), float(knob)))
             return cls(name, tuple(params))
@@ -87,6 +90,9 @@ class VariableSpec:
                                   f"{self.name!r}")
         if not self.name:
             raise InvalidArgument("variable name must not be empty")
+        if not 0 <= self.seed < 2**63:  # an int64 on the wire
+            raise InvalidArgument(f"variable {self.name!r}: seed {self.seed} must be >= 0 and "
+                                  "below 2**63")
         if self.kind not in KINDS:
             raise InvalidArgument(f"variable {self.name!r}: kind {self.kind!r} is not one of "
                                   f"{KINDS}")

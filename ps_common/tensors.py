@@ -143,8 +143,29 @@ def wire_bytes(values: np.ndarray, wire_dtype: str) -> memoryview:
 def to_wire(values: np.ndarray, wire_dtype: str) -> np.ndarray:
     """`values` as a C-contiguous array of the wire's raw element type (no copy if it is one)."""
     if wire_dtype == "bfloat16":
+        if values.dtype == np.float64:
+            return _float64_to_bfloat16_bits(values)
         return float32_to_bfloat16_bits(values.astype(np.float32, copy=False))
     return np.ascontiguousarray(values, dtype=_WIRE[wire_dtype][1])
+
+
+def _float64_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float64 rounded to the nearest bfloat16 (ties to even), through float32 rounded to
+    odd: rounding to nearest twice would put a value just past the midpoint of two bfloat16
+    values onto it, and then on the even one, which may be the farther."""
+    flat = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+    out = np.empty(flat.size, "<u2")
+    for start in range(0, flat.size, CONVERT_BLOCK_ELEMENTS):
+        block = flat[start:start + CONVERT_BLOCK_ELEMENTS]
+        nearest = block.astype(np.float32)
+        bits = nearest.view(np.uint32)
+        with np.errstate(invalid="ignore"):
+            back = nearest.astype(np.float64)
+            inexact = back != block  # NaN too: it stays NaN with its lowest bit set
+            bits[np.abs(back) > np.abs(block)] -= 1  # toward zero (inf: to the largest)
+        bits[inexact] |= 1
+        out[start:start + CONVERT_BLOCK_ELEMENTS] = float32_to_bfloat16_bits(nearest)
+    return out.reshape(values.shape)
 
 
 def from_wire(raw: np.ndarray, wire_dtype: str) -> np.ndarray:

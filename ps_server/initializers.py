@@ -40,6 +40,7 @@ def validate_initializer(spec: VariableSpec) -> None:
             f"variable {spec.name!r}: initializer {init.name} has no knob(s) {sorted(unknown)}; "
             f"it takes {sorted(INITIALIZERS[init.name]) or 'none'}"
         )
+    _check_finite_values(spec)
     if init.name == "uniform" and not init.get("minval", -0.05) < init.get("maxval", 0.05):
         raise InvalidArgument(f"variable {spec.name!r}: uniform needs minval < maxval")
     if init.name == "normal" and init.get("stddev", 0.05) < 0:
@@ -50,6 +51,26 @@ def validate_initializer(spec: VariableSpec) -> None:
         raise InvalidArgument(f"embedding table {spec.name!r}: glorot_uniform needs the table's "
                               "number of rows, which a dynamic table does not have; use "
                               "uniform or normal")
+
+
+def _check_finite_values(spec: VariableSpec) -> None:
+    """Refuse knobs that make values NaN or infinite in the variable's dtype: nothing could
+    repair such a variable (non-finite gradients are refused, finite ones leave it so)."""
+    init = spec.initializer
+    largest = float(np.finfo(spec.dtype).max)
+    for key, knob in init.params:
+        if not math.isfinite(knob):
+            raise InvalidArgument(f"variable {spec.name!r}: initializer {init.name} knob "
+                                  f"{key!r} is {knob}: it must be finite")
+        if key in ("value", "minval", "maxval", "mean") and abs(knob) > largest:
+            raise InvalidArgument(f"variable {spec.name!r}: initializer {init.name} knob "
+                                  f"{key!r} = {knob:g} does not fit {spec.dtype} (largest "
+                                  f"{largest:g})")
+    if init.name == "uniform":
+        width = init.get("maxval", 0.05) - init.get("minval", -0.05)
+        if abs(width) > largest:
+            raise InvalidArgument(f"variable {spec.name!r}: uniform's maxval - minval "
+                                  f"({width:g}) does not fit {spec.dtype}")
 
 
 def glorot_limit(shape: tuple[int, ...]) -> float:

@@ -193,9 +193,9 @@ def test_float64_values_use_float64_precision():
     ],
 )
 def test_validation_errors(initializer, seed, must_name):
-    spec = VariableSpec("emb/table", (4, 2), initializer=Component.of(initializer), seed=seed)
-    with pytest.raises(InvalidArgument) as info:
-        validate_initializer(spec)
+    with pytest.raises(InvalidArgument) as info:  # the spec itself refuses a negative seed
+        validate_initializer(VariableSpec("emb/table", (4, 2),
+                                          initializer=Component.of(initializer), seed=seed))
     assert info.value.code == "INVALID_ARGUMENT"
     assert "emb/table" in info.value.message
     assert must_name in info.value.message
