@@ -16,7 +16,17 @@ import numpy as np
 
 from ps_worker.backend import HostBufferCache
 
-__all__ = ["CupyBackend", "array_module", "device_count"]
+__all__ = ["CUDA_ERRORS", "CupyBackend", "array_module", "device_count"]
+
+# What CuPy raises when a GPU it lists cannot be used: another process holds it in
+# EXCLUSIVE_PROCESS compute mode, its memory is full (workers sharing one GPU), a driver
+# fault. (Looked up by name: which of them a CuPy release has, and where, varies.)
+CUDA_ERRORS: tuple[type[BaseException], ...] = tuple(
+    error for error in (
+        getattr(getattr(cupy.cuda, "runtime", None), "CUDARuntimeError", None),
+        getattr(getattr(cupy.cuda, "driver", None), "CUDADriverError", None),
+        getattr(getattr(cupy.cuda, "memory", None), "OutOfMemoryError", None))
+    if isinstance(error, type))
 
 
 def device_count() -> tuple[int, str]:

@@ -34,6 +34,8 @@ __all__ = [
 _logger = logging.getLogger(__name__)
 
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
+# Every value of --device, lower-cased (what select_backend takes).
+DEVICE_VALUE = re.compile(r"auto|cpu|cuda(?::\d+)?")
 
 
 class BackendUnavailable(ValueError):
@@ -169,7 +171,8 @@ def select_backend(device: str, log: Callable[[str], None] | None = None) -> Arr
     reports its choice and the reason through ``log`` (default: this module's logger at INFO).
 
     Raises ``BackendUnavailable`` when a CUDA device is named but CuPy or that GPU is
-    missing, and ``ValueError`` for a value that names no device.
+    missing or cannot be used (``auto`` then picks NumPy), and ``ValueError`` for a value
+    that names no device.
     """
     report = log if log is not None else _logger.info
     spec = device.strip().lower()
@@ -180,7 +183,10 @@ def select_backend(device: str, log: Callable[[str], None] | None = None) -> Arr
         if cupy_backend is None or count == 0:
             report(f"device auto: using numpy on the CPU because {problem}")
             return NumpyBackend()
-        backend = cupy_backend.CupyBackend(0)
+        backend, problem = _open_gpu(cupy_backend, 0)
+        if backend is None:
+            report(f"device auto: using numpy on the CPU because {problem}")
+            return NumpyBackend()
         report(f"device auto: using cupy on cuda:0 ({count} CUDA device(s) visible)")
         return backend
     match = _CUDA_DEVICE.fullmatch(spec)
@@ -199,4 +205,18 @@ def select_backend(device: str, log: Callable[[str], None] | None = None) -> Arr
             f"device cuda:{index} was requested but {reason}; check CUDA_VISIBLE_DEVICES "
             "or run with --device cpu"
         )
-    return cupy_backend.CupyBackend(index)
+    backend, problem = _open_gpu(cupy_backend, index)
+    if backend is None:
+        raise BackendUnavailable(f"device cuda:{index} was requested but {problem}; check "
+                                 "CUDA_VISIBLE_DEVICES and the GPU's compute mode and memory, "
+                                 "or run with --device cpu")
+    return backend
+
+
+def _open_gpu(cupy_backend: ModuleType, index: int) -> tuple[ArrayBackend | None, str]:
+    """(the CuPy backend on GPU `index`, "") or (None, why it cannot be used): a GPU that
+    CUDA lists may still refuse a context (busy in EXCLUSIVE_PROCESS mode, memory full)."""
+    try:
+        return cupy_backend.CupyBackend(index), ""
+    except cupy_backend.CUDA_ERRORS as exc:
+        return None, f"cuda:{index} cannot be used ({exc})"

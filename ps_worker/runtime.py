@@ -456,6 +456,9 @@ class Trainer:
             result.loss_sum += float(loss_sum)
             result.correct += int(correct)
             result.examples += len(y)
+        # The parameters' host buffers (set 0) are the next task's to pull into: no copy to
+        # the device may still read them (the backend's contract; CuPy's waits anyway).
+        self.backend.synchronize()
         if scores:
             result.auc = roc_auc(np.concatenate(scores), self.dataset.y_test)
         result.seconds = time.monotonic() - started
