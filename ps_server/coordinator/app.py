@@ -307,7 +307,8 @@ class Coordinator:
                     log.error("%s", self.state.data_loss)
             # Whatever found it (a timeout, a server back empty, a checkpoint that could
             # not be read), a data loss ends the job.
-            if self.state.data_loss and self.runner.fail(self.state.data_loss):
+            if self.state.data_loss and self.runner.fail(
+                    self.state.data_loss, resumable=self.state.data_loss_resumable):
                 log.error("the job failed: %s", self.state.data_loss)
 
     def _nothing_to_checkpoint(self) -> bool:

@@ -282,6 +282,9 @@ class JobRunner:
         self._started_at = clock.monotonic()
         self._finished_at: float | None = None
         self.failure = ""
+        # Whether a restart resumes the failed job (fail(resumable=True)): a failure that
+        # servers added or a budget raised cures, unlike a model's error or lost values.
+        self.resumable = False
         self.state = JobState.RUNNING if job else JobState.NONE
         self._epoch = 0
         if job:
@@ -410,7 +413,9 @@ class JobRunner:
         elif not self._open:
             self._finish(JobState.DONE)
 
-    def _release(self, task: Task) -> None:
+    def _release(self, task: Task, reason: str = "") -> None:
+        """The task back to the queue, its holder gone (for `reason`, if one was given):
+        the job fails once it has lost MAX_TASK_ATTEMPTS holders, saying why the last went."""
         if task.kind == "train" and task.epoch == self._epoch:
             self._unleased += 1
         if task.kind == "evaluate" and task.parameters_read:
@@ -425,8 +430,9 @@ class JobRunner:
         heapq.heappush(self._pending, (task.kind != "evaluate", task.task_id))
         self._wake_leases()
         if task.attempts >= MAX_TASK_ATTEMPTS and self.state is JobState.RUNNING:
+            last = f"; the last one: {reason}" if reason else ""
             self._finish(JobState.FAILED, f"task {task.task_id} ({task.kind}, epoch {task.epoch})"
-                                          f" lost {task.attempts} workers; giving up")
+                                          f" lost {task.attempts} workers; giving up{last}")
 
     def _finish(self, state: JobState, failure: str = "") -> None:
         self.state, self.failure = state, failure
@@ -468,7 +474,7 @@ class JobRunner:
         if state is WorkerState.DEAD:
             worker.reason, worker.died_at = reason, now
             for task_id in sorted(worker.leased):
-                self._release(self._tasks[task_id])
+                self._release(self._tasks[task_id], reason)
             worker.leased.clear()
         if was_alive:
             self._alive -= 1
@@ -736,14 +742,16 @@ class JobRunner:
                 return True
             return False
 
-    def fail(self, message: str) -> bool:
+    def fail(self, message: str, *, resumable: bool = False) -> bool:
         """Fail a RUNNING job with `message` as its failure. Returns True if this call
         changed the state, False if the job was not running (no job, done or failed
-        already). Workers learn it from their next lease or heartbeat."""
+        already). Workers learn it from their next lease or heartbeat. `resumable`: a
+        coordinator restarted on this job's state resumes it (restore_state)."""
         with self._locked():
             if self.state is not JobState.RUNNING:
                 return False
             self._finish(JobState.FAILED, message)
+            self.resumable = resumable
             return True
 
     # ---- reads -------------------------------------------------------------------------
@@ -855,6 +863,7 @@ class JobRunner:
                 "job": self.job.to_json() if self.job else None,
                 "state": self.state.value,
                 "failure": self.failure,
+                "resumable": self.resumable,
                 "epoch": self._epoch,
                 "issued": self._issued,
                 "open_epochs": [{"epoch": epoch, "train_done": p.train_done,
@@ -922,6 +931,7 @@ class JobRunner:
                                            else None)),
                         w["died_at_s"]) for w in state["workers"]]
             job_state, failure = JobState(state["state"]), state["failure"]
+            resuming = job_state is JobState.FAILED and bool(state.get("resumable", False))
             counters = [state[k] for k in ("epoch", "issued", "tasks_done", "steps")]
             if "open_epochs" in state:
                 open_epochs = {o["epoch"]: _OpenEpoch(o["train_done"], o["evaluation"],
@@ -947,6 +957,13 @@ class JobRunner:
                 raise RuntimeError("restore_state needs a runner no worker has talked to")
             now = self._clock.monotonic()
             self.state, self.failure = job_state, failure
+            if resuming:
+                # A failure a restart answers (servers added, a budget raised): the job
+                # goes on, each task's holders counted afresh.
+                log.warning("resuming the job, which had failed: %s", failure)
+                self.state, self.failure, finished = JobState.RUNNING, "", False
+                for task in tasks.values():
+                    task.attempts = 0
             self._epoch, self._issued, self._tasks_done, self._steps = counters
             self._epoch_released = released
             self._open = open_epochs
@@ -992,6 +1009,10 @@ class JobRunner:
                 else:
                     self._schedule(self._forgets, now + self._forget_after, worker)
             self._alive = sum(w.state is WorkerState.ALIVE for w in self._workers.values())
+            if resuming:
+                # Completions reported after the failure did not advance the job: an epoch
+                # they finished ends now.
+                self._advance()
 
     def _open_epochs_of_old_state(self, state: dict, tasks: dict[int, Task],
                                   summaries: list[EpochSummary]) -> dict[int, _OpenEpoch]:

@@ -149,6 +149,9 @@ class CoordinatorState:
         self._timed_out: set[str] = set()
         self._frozen: set[str] = set()  # lost shards, not re-initialized: never resynced
         self._data_loss = ""
+        # The loss is of this run only (no live server had room for shards a checkpoint
+        # holds): a restart with room resumes the job.
+        self._data_loss_resumable = False
         # Checkpoints (a Catalog, or None): shards lost with their server are restored from
         # the current one; `_restore` holds, per server, the shards its next assignment
         # creates from it.
@@ -250,6 +253,12 @@ class CoordinatorState:
     def data_loss(self) -> str:
         with self._lock:
             return self._data_loss
+
+    @property
+    def data_loss_resumable(self) -> bool:
+        """Whether a restarted coordinator may resume the job the data loss failed."""
+        with self._lock:
+            return self._data_loss_resumable
 
     def awaiting(self) -> list[str]:
         """Servers holding shards of a recovered map that have not registered again yet."""
@@ -560,7 +569,7 @@ class CoordinatorState:
                     if not budget[sid] or load[sid] + cost(shard) <= budget[sid]]
             if not fits:
                 return self._time_out(server_id, address, holds, self._no_room(
-                    shard, cost(shard), load, budget))
+                    shard, cost(shard), load, budget), resumable=True)
             load[fits[0]] += cost(shard)
             chosen.append((shard, fits[0]))
         moved = dict(self._map.shards)
@@ -610,9 +619,13 @@ class CoordinatorState:
                 k: v for k, v in self._map.servers.items() if k != server_id})
 
     def _time_out(self, server_id: str, address: str, holds: tuple[str, ...],
-                  why: str = "without checkpoints its values are lost") -> ServerEvent:
-        """Expects the lock held."""
+                  why: str = "without checkpoints its values are lost",
+                  resumable: bool = False) -> ServerEvent:
+        """Expects the lock held. `resumable`: the values are not lost to a restarted
+        coordinator (see data_loss_resumable)."""
         self._timed_out.add(server_id)
+        if not self._data_loss:
+            self._data_loss_resumable = resumable
         self._data_loss = self._data_loss or (
             f"parameter server {server_id} ({address}) has been gone for more than "
             f"{self._server_timeout:g} s (--server-timeout) holding {', '.join(holds)}; {why}")

@@ -66,6 +66,8 @@ def test_a_lost_server_s_shards_move_only_within_the_survivors_memory_budget(mak
     assert {s.server_id for s in cluster.coordinator.state.shard_map.shards["b"]} == {"ps-1"}
     loss = cluster.coordinator.state.data_loss
     assert "ps-1" in loss and "--memory-budget" in loss and "b[0:153600]" in loss
+    # The checkpoint still holds them: a coordinator restarted with room resumes the job.
+    assert cluster.coordinator.state.data_loss_resumable
 
 
 def test_a_server_of_another_id_on_a_dead_server_s_port_makes_clients_wait_not_fail(
