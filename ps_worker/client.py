@@ -378,8 +378,11 @@ class PSClient:
         for channel in channels:
             channel.close()
 
-    def _refuse_if_closed(self) -> None:
-        if self._shut.is_set():
+    def _refuse_if_closed(self, *, closing: bool = False) -> None:
+        """Raise FAILED_PRECONDITION once close() is done with the calls in flight, or, with
+        `closing`, once it has begun (for a new call in the background, which close() would
+        not wait for)."""
+        if self._shut.is_set() or (closing and self._closed):
             raise _local_error(grpc.StatusCode.FAILED_PRECONDITION,
                                "this PSClient is closed: make a new one")
 
@@ -390,7 +393,7 @@ class PSClient:
         try:
             return pool.submit(fn, *args, **kwargs)
         except RuntimeError:
-            self._refuse_if_closed()  # closed meanwhile
+            self._refuse_if_closed(closing=True)  # only close() shuts the pools down
             raise
 
     def _coordinator_call(self, method: str, request, timeout: float):
@@ -659,6 +662,7 @@ class PSClient:
                    out: Mapping[str, np.ndarray] | None = None) -> futures.Future:
         """`pull` in the background (e.g. the next step's parameters while this step
         computes); returns a Future of what `pull` returns."""
+        self._refuse_if_closed(closing=True)
         return self._submit(self._prefetch_pool, self.pull, names, wire_dtype=wire_dtype,
                             out=out)
 
@@ -856,6 +860,7 @@ class PSClient:
     def pull_rows_async(self, name: str, ids, *, out: np.ndarray | None = None,
                         wire_dtype: str | None = None) -> futures.Future:
         """`pull_rows` in the background; returns a Future of its array."""
+        self._refuse_if_closed(closing=True)
         return self._submit(self._prefetch_pool, self.pull_rows, name, ids, out=out,
                             wire_dtype=wire_dtype)
 
@@ -1221,7 +1226,7 @@ class PSClient:
         return self._push_in_background(self.push, grads, wire_dtype=wire_dtype)
 
     def _push_in_background(self, push, *args, **kwargs) -> futures.Future:
-        self._refuse_if_closed()
+        self._refuse_if_closed(closing=True)
         self._window.acquire()
         try:
             future = self._submit(self._async_pool, push, *args, **kwargs)

@@ -213,8 +213,13 @@ class Trainer:
         # rows are gathered from them on the device, and its gradients summed there.
         unique, inverse = {}, {}
         for name, table_ids in ids.items():
-            # PSClient's rule for ids: converting them here would truncate float ids, wrap
-            # uint64 ones and flatten 2-D ones, training the wrong rows without a word.
+            # PSClient's rule for ids, after narrower integers are widened (exactly):
+            # converting anything else here would truncate float ids, wrap uint64 ones and
+            # flatten 2-D ones, training the wrong rows without a word.
+            dtype = getattr(table_ids, "dtype", None)
+            if dtype is not None and (dtype.kind == "i" or dtype.kind == "u"
+                                      and dtype.itemsize < 8):
+                table_ids = np.asarray(table_ids, np.int64)  # exact: every value fits
             try:
                 table_ids = check_ids(table_ids, what=f"the model's row_ids(), table {name!r}")
             except InvalidArgument as error:
