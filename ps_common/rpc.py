@@ -165,6 +165,10 @@ def _refusing_malformed(handler, method: str):
     return handler._replace(request_deserializer=deserialize, **{kind: run})
 
 
+class BindError(OSError):
+    """A daemon's address cannot be bound (taken, or not this host's)."""
+
+
 def bind(server: grpc.Server, host: str, port: int,
          tls: TLS | None = None) -> tuple[str, int]:
     """Bind `server` to host:port (0 = any free port), serving TLS only if `tls` is given;
@@ -176,7 +180,7 @@ def bind(server: grpc.Server, host: str, port: int,
     except RuntimeError:  # grpcio >= 1.60 raises instead of returning 0
         bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {target}: address in use or not available")
+        raise BindError(f"could not bind {target}: address in use or not available")
     address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
     return address, bound
 

@@ -15,7 +15,7 @@ from ps_common.cli import (
     StopSignals, run_until_signal, setup_logging, tf_config_task,
 )
 from ps_common.malloc import tune_malloc
-from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES
+from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, BindError
 from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import SERVER, TF_CONFIG_ENV, Task
 from ps_server.app import ParameterServer, ServerConfig
@@ -133,10 +133,13 @@ def server_main(argv: list[str] | None = None) -> int:
         if isinstance(error, MetricsBindError):
             print(f"ps-server: --metrics-port: {error}", file=sys.stderr)
             return 1
-        if isinstance(error, OSError):
+        if isinstance(error, BindError):
             where = (f"{TF_CONFIG_ENV} (cluster.ps[{task.index}] {task.address})" if task
                      else "--host/--port")
             print(f"ps-server: {where}: {error}", file=sys.stderr)
+            return 1
+        if isinstance(error, OSError):  # not the address's fault: say what failed
+            print(f"ps-server: cannot start: {error}", file=sys.stderr)
             return 1
         raise
     def announce():

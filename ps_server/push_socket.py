@@ -22,6 +22,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from typing import Callable
 
 from ps_common import shm
@@ -79,11 +80,23 @@ class PushSocket:
         return os.path.basename(self.path)
 
     def _accept(self) -> None:
+        delay = 0.0
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as error:
+                with self._lock:
+                    if self._closed:
+                        return
+                # Out of file descriptors for a moment (EMFILE, ENFILE), say: the listener
+                # still queues connections, and an acceptor that gave up would leave their
+                # clients waiting out their timeouts. Try again, backing off.
+                delay = min(max(2 * delay, 0.01), 1.0)
+                log.warning("push socket: cannot accept a connection (%s); trying again in "
+                            "%g s", error.strerror or error, delay)
+                time.sleep(delay)
+                continue
+            delay = 0.0
             with self._lock:
                 refused = self._closed or len(self._open) >= MAX_SOCKETS
                 if not refused:

@@ -318,9 +318,14 @@ def clear_dead() -> int:
               and not shm.owner_alive(path.name) and shm.owner_locked(path)}
     for path in entries:
         if path.name.startswith("." + shm.PREFIX) and path.name.endswith(".new"):
-            # A control segment its maker died before renaming (shm.create(locked=True)).
-            if not shm.owner_alive(path.name[1:]) and not shm.owner_locked(path):
-                shm.unlink(path)
+            # A control segment its maker died before renaming (shm.create(locked=True)):
+            # this user's only (/dev/shm is sticky: another's cannot be removed).
+            try:
+                if (path.stat().st_uid == uid and not shm.owner_alive(path.name[1:])
+                        and not shm.owner_locked(path)):
+                    shm.unlink(path)
+            except OSError:
+                pass
             continue
         if (not path.name.startswith(shm.PREFIX) or shm.owner_alive(path.name)
                 or shm.owner_prefix(path.name) in locked):

@@ -6,9 +6,10 @@ host that vanished mid-push: TCP may take hours to notice) hold every handler th
 healthy pulls fail with DEADLINE_EXCEEDED. Here:
 
 - `admit` refuses a stream beyond `max_streams` at once (ResourceExhausted, naming
-  --max-streams); the server's handler pool has `CONTROL_PLANE_THREADS` threads more than
-  that, so a refusal, control-plane calls (AssignShards), health checks and reflection always
-  find a thread.
+  --max-streams); the server's handler pool has room for those, for as many unary pushes
+  waiting for their ssp/sync steps, and `CONTROL_PLANE_THREADS` more (`handler_threads`), so
+  a refusal, control-plane calls (AssignShards), health checks and reflection always find a
+  thread.
 - A handler marks the spans in which it waits on its peer (`Stream.requests` around a
   request iterator; `arm()`/`disarm()` around a response generator's `yield`). One watchdog
   thread cancels a stream that has waited `idle_timeout_s` in one span: `context.cancel()`
@@ -40,8 +41,11 @@ T = TypeVar("T")
 
 
 def handler_threads(max_streams: int) -> int:
-    """The size of a parameter server's handler pool for a given --max-streams."""
-    return max_streams + CONTROL_PLANE_THREADS
+    """The size of a parameter server's handler pool for a given --max-streams: the streams,
+    the unary pushes waiting for their ssp/sync steps (a server takes at most --max-streams
+    clients in its steps, ps_server.consistency), and the control plane's threads. Threads
+    are started as calls need them."""
+    return 2 * max_streams + CONTROL_PLANE_THREADS
 
 
 class Stream:

@@ -19,6 +19,7 @@ from ps_common.cli import (
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
 from ps_common.progress import strict_json
+from ps_common.rpc import BindError
 from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import COORDINATOR, TF_CONFIG_ENV, Task
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
@@ -162,9 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     except MetricsBindError as error:
         print(f"ps-coordinator: --metrics-port: {error}", file=sys.stderr)
         return 1
-    except OSError as error:
+    except BindError as error:
         where = f"{TF_CONFIG_ENV} (cluster.chief {task.address})" if task else "--host/--port"
         print(f"ps-coordinator: {where}: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # not the address's fault: say what failed
+        print(f"ps-coordinator: cannot start: {error}", file=sys.stderr)
         return 1
     def announce():
         if coordinator.metrics is not None:  # before the ready line: there once that is
