@@ -1,4 +1,4 @@
-"""Review (shm): a starting ps-server and the /dev/shm entries of another user.
+"""A starting ps-server and the /dev/shm entries of another user.
 
 README: a SIGKILLed server's segments are removed by "the next paramserve server started
 on the host by the same user"; ps_server.shared_memory.clear_dead skips files of another

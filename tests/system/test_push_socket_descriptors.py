@@ -1,4 +1,4 @@
-"""Review (shm): the push socket of a real ps-server after a moment without file descriptors.
+"""The push socket of a real ps-server after a moment without file descriptors.
 
 README ("Which path pulls and pushes take"): "where the socket cannot be reached or the
 server serves no more sockets (256 at once), the same call goes over gRPC". A server that
