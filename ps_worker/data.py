@@ -323,6 +323,9 @@ def _load_npz(path: Path) -> Dataset:
         raise ValueError(f"data set file {str(path)!r} must have both 'x_test' and 'y_test' or neither")
     x, y = _checked_pair(path, arrays["x"], arrays["y"], "x", "y")
     if "x_test" not in arrays:
+        if len(x) < 2:
+            raise ValueError(f"data set file {str(path)!r} has {len(x)} example(s) and no "
+                             "'x_test': it needs at least 2 examples to hold some out")
         return _split_and_make(str(path), x, y)
     x_test, y_test = _checked_pair(path, arrays["x_test"], arrays["y_test"], "x_test", "y_test")
     if x_test.shape[1] != x.shape[1]:

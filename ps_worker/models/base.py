@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from ps_common.job import MAX_SEED_OFFSET, OPTIMIZER_NAMES
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "Model",
     "ScoringModel",
     "VariableDef",
+    "class_labels",
 ]
 
 # The initializers the parameter server understands, with the knobs each accepts.
@@ -210,6 +213,25 @@ class EmbeddingDef:
     def optimizer_spec(self) -> dict[str, Any] | None:
         """The optimizer override as a plain dict, or None (the job's optimizer)."""
         return None if self.optimizer is None else dict(self.optimizer)
+
+
+def class_labels(y: Any, num_classes: int) -> Any:
+    """`y` as class labels 0..num_classes-1, one per example: bool ones as 0 and 1; a
+    ValueError naming them for any other dtype, shape or value (NumPy would read -1 as the
+    last class, and a bool vector as a mask). Host arrays and lists are checked; an array on
+    a device is taken as it is (checking it would wait for the device)."""
+    if not isinstance(y, (np.ndarray, list, tuple)) and hasattr(y, "__cuda_array_interface__"):
+        return y
+    labels = np.asarray(y)
+    if labels.dtype == np.bool_:
+        labels = labels.astype(np.int64)
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise ValueError(f"labels must be a 1-D array of integer classes 0..{num_classes - 1}, "
+                         f"got {labels.dtype} of shape {labels.shape}")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(f"labels must be classes 0..{num_classes - 1}, got values from "
+                         f"{labels.min()} to {labels.max()}")
+    return labels
 
 
 def _is_int(value: Any) -> bool:

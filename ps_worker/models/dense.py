@@ -10,17 +10,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ps_worker.backend import array_module
-from ps_worker.models.base import VariableDef
+from ps_worker.models.base import VariableDef, class_labels
 from ps_worker.models.softmax import mean_softmax_cross_entropy_and_grad, softmax_cross_entropy_sum
 
 __all__ = ["MLP", "LogisticRegression"]
 
 
 def _positive_int(what: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return value
+    return int(value)
 
 
 class MLP:
@@ -94,7 +96,7 @@ class MLP:
         xp = array_module(first_kernel)
         x, labels = batch
         x = xp.asarray(x, dtype=first_kernel.dtype)
-        labels = xp.asarray(labels)
+        labels = xp.asarray(class_labels(labels, self.num_classes))
         if x.ndim != 2 or x.shape[1] != self.num_features or labels.shape != (x.shape[0],):
             raise ValueError(
                 f"batch shapes x={tuple(x.shape)}, y={tuple(labels.shape)} do not fit a model "

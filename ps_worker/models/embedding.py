@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ps_worker.backend import array_module
-from ps_worker.models.base import EmbeddingDef, VariableDef
+from ps_worker.models.base import EmbeddingDef, VariableDef, class_labels
 from ps_worker.models.dense import relu_layers_forward
 
 __all__ = ["TABLE", "EmbeddingMLP"]
@@ -212,7 +212,7 @@ class EmbeddingMLP:
         if dense is None:
             raise ValueError("embedding_mlp needs batches of Features(dense, ids)")
         dense = xp.asarray(dense, dtype=first_kernel.dtype)
-        labels = xp.asarray(y).astype(first_kernel.dtype)
+        labels = xp.asarray(class_labels(y, 2)).astype(first_kernel.dtype)
         num_examples = labels.shape[0]
         if self.table_per_field:
             parts = [params[f"{TABLE}/field{f}"] for f in range(self.num_fields)]
