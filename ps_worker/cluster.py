@@ -58,8 +58,16 @@ def worker_environment(workers: int) -> dict[str, str]:
     """The workers' environment: the machine's cores split between them for BLAS, unless the
     user set these already. Several processes whose BLAS threads each spin on every core slow
     each other down several times over (W1: 17 -> 60 steps/s on 2 cores with 2 workers)."""
-    threads = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
-    return {**os.environ, **{k: os.environ.get(k, threads) for k in BLAS_THREAD_VARIABLES}}
+    return _blas_environment(str(max(1, (os.cpu_count() or 1) // max(1, workers))))
+
+
+def _blas_environment(threads: str) -> dict[str, str]:
+    """os.environ with every BLAS thread variable set: to the user's value where the user
+    set one of them (OpenBLAS reads its own variable before OMP_NUM_THREADS, so filling the
+    others with `threads` would overrule a user's OMP_NUM_THREADS), else to `threads`."""
+    given = next((os.environ[k] for k in BLAS_THREAD_VARIABLES if os.environ.get(k)), None)
+    default = threads if given is None else given
+    return {**os.environ, **{k: os.environ.get(k) or default for k in BLAS_THREAD_VARIABLES}}
 
 
 def daemon_environment() -> dict[str, str]:
@@ -67,7 +75,7 @@ def daemon_environment() -> dict[str, str]:
     set these already. They never multiply matrices (optimizers are elementwise), and a BLAS
     library starts a thread per core when numpy is imported: 63 idle threads per daemon on a
     64-core host, which count against the host's process limit all the same."""
-    return {**os.environ, **{k: os.environ.get(k, "1") for k in BLAS_THREAD_VARIABLES}}
+    return _blas_environment("1")
 
 
 class SignalFlag:
@@ -393,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(sys.stdout, job.epochs)
     children: list[Child] = []
     interrupted = False
+    served = False  # a --keep-serving run ended by Ctrl-C after its job
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -479,8 +488,13 @@ def main(argv: list[str] | None = None) -> int:
                                      test_accuracy=outcome["accuracy"],
                                      test_auc=outcome.get("auc"), steps=outcome["steps"]))
     except KeyboardInterrupt:
-        interrupted = True
-        outcome = {"state": "interrupted"}
+        # With --keep-serving, Ctrl-C is how a run whose job is over ends: its outcome stands.
+        summary = _final_summary(children[0]) if args.keep_serving and children else None
+        if summary is not None:
+            outcome, served = summary, True
+        else:
+            interrupted = True
+            outcome = {"state": "interrupted"}
     except (ClusterError, ChaosError, CoordinatorUnreachable) as error:
         progress.note(f"ps-cluster: {error}")
         outcome = {"state": "failed", "error": str(error)}
@@ -495,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signum, lambda *_: impatient.set())
         # After a job that ended on the coordinator, children exit by themselves: give them
         # time to. After an interrupt or an error, stop them at once.
-        ended_normally = outcome.get("state") in ("done", "failed") and "error" not in outcome
+        ended_normally = (outcome.get("state") in ("done", "failed") and "error" not in outcome
+                          and not served)
         exits = _stop_all(children, args.heartbeat_timeout + 10.0 if ended_normally else 0.0,
                           impatient)
     outcome.update({"elapsed_s": round(time.monotonic() - started, 3), "exit_codes": exits,
@@ -543,7 +558,11 @@ FINISHED_PREFIX = "ps-coordinator finished: "
 def _final_summary(coordinator: Child) -> dict | None:
     """The outcome the coordinator printed as it ended (the single source of truth: the
     monitor may have missed the last status while the coordinator was shutting down)."""
-    for line in coordinator.log_path.read_text(errors="replace").splitlines():
+    try:
+        text = coordinator.log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
         if line.startswith(FINISHED_PREFIX):
             return json.loads(line[len(FINISHED_PREFIX):])
     return None
@@ -552,13 +571,21 @@ def _final_summary(coordinator: Child) -> dict | None:
 def _monitor(address: str, coordinator: Child, workers: list[Child], progress: Progress,
              keep_serving: bool, chaos: ChaosMonkey | None = None,
              token: str | None = None, tls: TLS | None = None) -> dict:
+    noted: set[str] = set()  # workers whose early exit was shown
+    last_over: dict | None = None  # the status that said the job was over
     with CoordinatorClient(address, give_up_after_s=2.0, rpc_timeout_s=2.0,
                            token=token, tls=tls) as client:
         while True:
             if coordinator.returncode is not None:
+                # The coordinator's own outcome, done or failed (a failed job exits 1 too):
+                # its figures and its reason are the job's.
                 summary = _final_summary(coordinator)
-                if coordinator.returncode == 0 and summary is not None:
+                if summary is not None:
                     return summary
+                if last_over is not None:
+                    # Its outcome line never reached the log (a full --log-dir, say): the
+                    # status read as the job ended says it instead.
+                    return _outcome_of(last_over)
                 raise ClusterError(f"the coordinator exited with {coordinator.returncode} "
                                    f"before the job ended; see {coordinator.log_path}")
             # Taken before the status, never after: a status read just before this process
@@ -581,6 +608,16 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
             if chaos is not None:
                 chaos.observe(status)  # may kill and restart a child (this main thread)
             state = status["job"]["state"]
+            if state in ("done", "failed"):
+                last_over = status
+            if state == "running" and chaos is None:
+                # A worker gone while the job runs (its metrics port taken, say): the job
+                # goes on with the others, and the user is told which and why.
+                for worker in workers:
+                    if worker.returncode not in (None, 0) and worker.name not in noted:
+                        noted.add(worker.name)
+                        progress.note(f"ps-cluster: {worker.name} exited with "
+                                      f"{worker.returncode}{_last_error(worker)}")
             if keep_serving and state in ("done", "failed"):
                 progress.note(f"job {state}; servers keep serving on {address} (Ctrl-C to stop)")
                 while coordinator.returncode is None:
@@ -590,6 +627,18 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
                 raise ClusterError("every worker exited before the job ended"
                                    f"{_last_error(workers[0])}; see {workers[0].log_path}")
             time.sleep(0.25)
+
+
+def _outcome_of(status: dict) -> dict:
+    """The job's outcome as the coordinator prints it (JobRunner.summary), from a status that
+    says the job is over: its state, figures of the last epoch, and failure."""
+    job = status["job"]
+    last = job["metrics"][-1] if job["metrics"] else {}
+    return {"state": job["state"], "epochs": job["epoch"], "steps": job["steps"],
+            "loss": last.get("loss"), "accuracy": last.get("test_accuracy"),
+            "test_loss": last.get("test_loss"), "auc": last.get("test_auc"),
+            "train_accuracy": last.get("accuracy"), "job_elapsed_s": job["elapsed_s"],
+            "mode": job["mode"], **({"failure": job["failure"]} if job["failure"] else {})}
 
 
 def _last_error(child: Child) -> str:

@@ -336,6 +336,7 @@ class Coordinator:
         self._save_state()
         self._servers_may_stop.set()
         if self.config.keep_serving:
+            self._job_over(summary)  # told now: this coordinator does not exit
             return  # servers and this coordinator stay up for PSClient users
         log.info("job %s; telling workers and servers to exit", self.runner.state.value)
         deadline = self._clock.monotonic() + self.config.heartbeat_timeout_s + 2.0
@@ -348,8 +349,18 @@ class Coordinator:
         while (self.watchers.waiting() and self._clock.monotonic() < deadline
                and not self._stopping.wait(0.1)):
             pass
-        self.on_job_over(self.runner.summary())
-        threading.Thread(target=self.stop, name="ps-coordinator-stop", daemon=True).start()
+        try:
+            self._job_over(self.runner.summary())
+        finally:  # whatever telling failed with, the process exits
+            threading.Thread(target=self.stop, name="ps-coordinator-stop", daemon=True).start()
+
+    def _job_over(self, summary: dict) -> None:
+        # A failure to tell (its output is a full disk or a closed pipe, say) must not keep
+        # the coordinator from going on: logged, not raised.
+        try:
+            self.on_job_over(summary)
+        except Exception:  # noqa: BLE001
+            log.exception("could not report the job's outcome")
 
     def stop(self, grace_s: float | None = None) -> None:
         self._stopping.set()

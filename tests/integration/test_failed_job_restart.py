@@ -6,6 +6,7 @@ operator's) stays failed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from ps_common.job import JobSpec
@@ -77,3 +78,18 @@ def test_a_job_failed_for_good_stays_failed_after_a_restart(tmp_path):
         assert "lost 5 workers" in second.runner.failure
     finally:
         second.stop(grace_s=0)
+
+
+def test_a_coordinator_whose_outcome_cannot_be_told_still_exits(tmp_path):
+    # ps-coordinator prints the outcome; a full disk or a closed pipe makes that raise. The
+    # coordinator must stop all the same (ps-cluster waits for it to exit).
+    def cannot_tell(summary):
+        raise OSError(27, "File too large")
+
+    told = dataclasses.replace(config(tmp_path), keep_serving=False, heartbeat_timeout_s=0.5)
+    coordinator = Coordinator(told, on_job_over=cannot_tell).start()
+    try:
+        assert coordinator.runner.fail("the operator ended it")
+        assert coordinator.wait(timeout=30), "the coordinator did not stop"
+    finally:
+        coordinator.stop(grace_s=0)

@@ -69,3 +69,62 @@ def test_workers_gone_while_the_job_still_runs_is_an_error(tmp_path, monkeypatch
 
     with pytest.raises(cluster.ClusterError, match="every worker exited before the job ended"):
         cluster._monitor("127.0.0.1:1", coordinator, workers, progress, keep_serving=False)
+
+
+def test_a_failed_job_is_reported_with_the_coordinators_outcome(tmp_path, monkeypatch):
+    # The coordinator of a failed job prints its outcome, then exits 1: the outcome (its
+    # reason, its figures) is the job's, not "exited before the job ended".
+    coordinator = FakeChild("coordinator", tmp_path / "coordinator.log")
+    summary = {"state": "failed", "failure": "worker w0 cannot run the job: bad model"}
+    coordinator.log_path.write_text(cluster.FINISHED_PREFIX + json.dumps(summary) + "\n")
+    coordinator.returncode = 1
+    progress = SimpleNamespace(update=lambda status: None, note=lambda line: None)
+
+    outcome = cluster._monitor("127.0.0.1:1", coordinator, [], progress, keep_serving=False)
+
+    assert outcome == summary
+
+
+def test_a_worker_that_exits_while_the_job_runs_is_named_with_its_error(tmp_path, monkeypatch):
+    coordinator = FakeChild("coordinator", tmp_path / "coordinator.log")
+    coordinator.log_path.write_text("")
+    workers = [FakeChild(f"worker-{i}", tmp_path / f"worker-{i}.log") for i in range(2)]
+    workers[0].returncode = 1
+    workers[0].log_path.write_text("ps-worker: --metrics-port 9103: address in use\n")
+    notes = []
+
+    class RunsThenEnds(FinishingCluster):
+        calls = 0
+
+        def status(self, *, watching: bool = False):
+            RunsThenEnds.calls += 1
+            if RunsThenEnds.calls == 2:
+                return super().status(watching=watching)  # the job ends
+            return {"job": {"state": "running", "steps": 3, "metrics": []}}
+
+    monkeypatch.setattr(cluster, "CoordinatorClient", RunsThenEnds(coordinator, workers))
+    progress = SimpleNamespace(update=lambda status: None, note=notes.append)
+
+    cluster._monitor("127.0.0.1:1", coordinator, workers, progress, keep_serving=False)
+
+    assert notes == ["ps-cluster: worker-0 exited with 1: worker-0: ps-worker: --metrics-port "
+                     "9103: address in use"]
+
+
+@pytest.mark.parametrize("user, expected", [
+    ({}, {"OMP_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}),
+    ({"OMP_NUM_THREADS": "1"},
+     {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+    ({"OPENBLAS_NUM_THREADS": "2", "MKL_NUM_THREADS": "3"},
+     {"OMP_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2", "MKL_NUM_THREADS": "3"}),
+])
+def test_a_blas_thread_count_the_user_set_wins_in_every_library(monkeypatch, user, expected):
+    # OpenBLAS reads OPENBLAS_NUM_THREADS before OMP_NUM_THREADS: a share filled in beside a
+    # user's OMP_NUM_THREADS=1 would overrule it.
+    for name in cluster.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in user.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cluster.os, "cpu_count", lambda: 8)
+    env = cluster.worker_environment(2)
+    assert {k: env[k] for k in cluster.BLAS_THREAD_VARIABLES} == expected
