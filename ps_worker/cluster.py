@@ -402,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     children: list[Child] = []
     interrupted = False
     served = False  # a --keep-serving run ended by Ctrl-C after its job
+    seen: dict = {}  # what the monitor saw (_monitor)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             chaos = ChaosMonkey(chaos_seed, targets, {c.name: c for c in children},
                                 clock=time.monotonic, note=progress.note)
         outcome = _monitor(address, coordinator, workers, progress, args.keep_serving, chaos,
-                           token, tls)
+                           token, tls, seen)
         if outcome.get("epochs") and outcome["epochs"] not in progress.reported and \
                 outcome.get("loss") is not None:  # the monitor missed the last status
             progress.note(epoch_line(outcome["epochs"], job.epochs, loss=outcome["loss"],
@@ -489,7 +490,10 @@ def main(argv: list[str] | None = None) -> int:
                                      test_auc=outcome.get("auc"), steps=outcome["steps"]))
     except KeyboardInterrupt:
         # With --keep-serving, Ctrl-C is how a run whose job is over ends: its outcome stands.
-        summary = _final_summary(children[0]) if args.keep_serving and children else None
+        summary = None
+        if args.keep_serving and children:
+            summary = _final_summary(children[0]) or (
+                _outcome_of(seen["over"]) if "over" in seen else None)
         if summary is not None:
             outcome, served = summary, True
         else:
@@ -564,13 +568,20 @@ def _final_summary(coordinator: Child) -> dict | None:
         return None
     for line in text.splitlines():
         if line.startswith(FINISHED_PREFIX):
-            return json.loads(line[len(FINISHED_PREFIX):])
+            try:
+                return json.loads(line[len(FINISHED_PREFIX):])
+            except ValueError:  # cut short (a full --log-dir): the caller falls back
+                return None
     return None
 
 
 def _monitor(address: str, coordinator: Child, workers: list[Child], progress: Progress,
              keep_serving: bool, chaos: ChaosMonkey | None = None,
-             token: str | None = None, tls: TLS | None = None) -> dict:
+             token: str | None = None, tls: TLS | None = None,
+             seen: dict | None = None) -> dict:
+    """The job's outcome once the coordinator has ended it. `seen["over"]` gets the status
+    that said the job was over (for a --keep-serving run that Ctrl-C ends)."""
+    seen = {} if seen is None else seen
     noted: set[str] = set()  # workers whose early exit was shown
     last_over: dict | None = None  # the status that said the job was over
     with CoordinatorClient(address, give_up_after_s=2.0, rpc_timeout_s=2.0,
@@ -609,7 +620,7 @@ def _monitor(address: str, coordinator: Child, workers: list[Child], progress: P
                 chaos.observe(status)  # may kill and restart a child (this main thread)
             state = status["job"]["state"]
             if state in ("done", "failed"):
-                last_over = status
+                last_over = seen["over"] = status
             if state == "running" and chaos is None:
                 # A worker gone while the job runs (its metrics port taken, say): the job
                 # goes on with the others, and the user is told which and why.
@@ -634,11 +645,18 @@ def _outcome_of(status: dict) -> dict:
     says the job is over: its state, figures of the last epoch, and failure."""
     job = status["job"]
     last = job["metrics"][-1] if job["metrics"] else {}
+    workers = status.get("workers", [])
     return {"state": job["state"], "epochs": job["epoch"], "steps": job["steps"],
             "loss": last.get("loss"), "accuracy": last.get("test_accuracy"),
             "test_loss": last.get("test_loss"), "auc": last.get("test_auc"),
             "train_accuracy": last.get("accuracy"), "job_elapsed_s": job["elapsed_s"],
-            "mode": job["mode"], **({"failure": job["failure"]} if job["failure"] else {})}
+            "steps_per_s": (round(job["steps"] / job["elapsed_s"], 1) if job["elapsed_s"]
+                            else None),
+            "workers_dead": [w["id"] for w in workers if w["state"] == "dead"],
+            "data_paths": {w["id"]: w["data_path"] for w in workers if w["data_path"]},
+            "mode": job["mode"], "staleness_max": job["staleness"]["max"],
+            "dropped_stale_gradients": job["dropped_stale_gradients"],
+            **({"failure": job["failure"]} if job["failure"] else {})}
 
 
 def _last_error(child: Child) -> str:

@@ -58,7 +58,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             losses = self._state.register_server(
                 request.server_id, request.address, request.memory_budget_bytes, report)
             if losses and self._state.data_loss:
-                self._runner.fail(self._state.data_loss)
+                self._runner.fail(self._state.data_loss,
+                                  resumable=self._state.data_loss_resumable)
             if self._state.highest_reported_generation >= self._state.generation:
                 # This coordinator's clock is behind a predecessor's: keep its incarnations
                 # above every one that predecessor may have handed out.

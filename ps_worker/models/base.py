@@ -216,8 +216,9 @@ class EmbeddingDef:
 
 
 def class_labels(y: Any, num_classes: int) -> Any:
-    """`y` as class labels 0..num_classes-1, one per example: bool ones as 0 and 1; a
-    ValueError naming them for any other dtype, shape or value (NumPy would read -1 as the
+    """`y` as class labels 0..num_classes-1, one per example: bool ones as 0 and 1, float
+    ones of whole values as those; a ValueError naming them for any other dtype, shape or
+    value (NumPy would read -1 as the
     last class, and a bool vector as a mask). Host arrays and lists are checked; an array on
     a device is taken as it is (checking it would wait for the device)."""
     if not isinstance(y, (np.ndarray, list, tuple)) and hasattr(y, "__cuda_array_interface__"):
@@ -225,6 +226,9 @@ def class_labels(y: Any, num_classes: int) -> Any:
     labels = np.asarray(y)
     if labels.dtype == np.bool_:
         labels = labels.astype(np.int64)
+    elif labels.dtype.kind == "f" and labels.ndim == 1 and bool(
+            np.all(np.isfinite(labels) & (labels == np.round(labels)))):
+        labels = labels.astype(np.int64)  # 0.0 and 1.0, as a data set's loader takes them
     if labels.ndim != 1 or labels.dtype.kind not in "iu":
         raise ValueError(f"labels must be a 1-D array of integer classes 0..{num_classes - 1}, "
                          f"got {labels.dtype} of shape {labels.shape}")

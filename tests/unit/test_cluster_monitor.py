@@ -128,3 +128,72 @@ def test_a_blas_thread_count_the_user_set_wins_in_every_library(monkeypatch, use
     monkeypatch.setattr(cluster.os, "cpu_count", lambda: 8)
     env = cluster.worker_environment(2)
     assert {k: env[k] for k in cluster.BLAS_THREAD_VARIABLES} == expected
+
+
+# ---- the outcome when the coordinator's own line is not whole in its log (a full --log-dir)
+
+def _status(state: str) -> dict:
+    """A status as CoordinatorClient.status() gives it, of a job that is over."""
+    return {
+        "job": {"state": state, "epoch": 2, "epochs": 2, "tasks_done": 6, "tasks_total": 6,
+                "steps": 48, "elapsed_s": 2.0, "failure": "", "mode": "async",
+                "staleness": {"max": 3}, "dropped_stale_gradients": 1,
+                "epoch_tasks": 3, "epoch_tasks_done": 3, "spec": None,
+                "metrics": [{"epoch": 2, "loss": 0.5, "accuracy": 0.8, "test_loss": 0.6,
+                             "test_accuracy": 0.75, "test_auc": None, "steps": 24,
+                             "examples": 100, "over": True}]},
+        "workers": [{"id": "worker-0", "incarnation": 1, "state": "done", "heartbeat_age_s": 0.1,
+                     "reason": "", "died_at_s": None, "tasks_done": 6, "steps": 48,
+                     "leased_tasks": [], "data_path": "shm", "wait_s": 0.0}],
+        "servers": [], "generation": 1, "awaiting_servers": [], "last_checkpoint": None,
+    }
+
+
+class EndsWithLog:
+    """Answers one status saying the job is over; then the coordinator exits having written
+    `log_text` (what reached its log) to its log."""
+
+    def __init__(self, coordinator, log_text, returncode=0):
+        self.coordinator, self.log_text, self.returncode = coordinator, log_text, returncode
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def status(self, *, watching: bool = False):
+        assert self.coordinator.returncode is None, "status asked of an exited coordinator"
+        self.coordinator.log_path.write_text(self.log_text)
+        self.coordinator.returncode = self.returncode
+        return _status("done")
+
+
+def _monitor(tmp_path, monkeypatch, log_text):
+    coordinator = FakeChild("coordinator", tmp_path / "coordinator.log")
+    coordinator.log_path.write_text("")
+    monkeypatch.setattr(cluster, "CoordinatorClient", EndsWithLog(coordinator, log_text))
+    monkeypatch.setattr(cluster.time, "sleep", lambda s: None)
+    progress = SimpleNamespace(update=lambda status: None, note=lambda line: None)
+    return cluster._monitor("127.0.0.1:1", coordinator, [], progress, keep_serving=False)
+
+
+def test_an_outcome_line_cut_short_by_a_full_log_dir_still_gives_the_jobs_outcome(
+        tmp_path, monkeypatch):
+    # A full disk (or a file-size limit) lets the last write land in part: the log ends in
+    # the middle of the coordinator's outcome line. The job is done and the monitor saw it.
+    cut = cluster.FINISHED_PREFIX + '{"state": "done", "epochs": 2, "ste'
+    outcome = _monitor(tmp_path, monkeypatch, "some log line\n" + cut)
+    assert outcome["state"] == "done", outcome
+
+
+def test_the_outcome_read_from_the_last_status_has_the_documented_keys(tmp_path, monkeypatch):
+    # No outcome line at all in the log: ps-cluster falls back on the last status.
+    outcome = _monitor(tmp_path, monkeypatch, "some log line\n")
+    assert outcome["state"] == "done"
+    missing = [key for key in ("mode", "staleness_max", "dropped_stale_gradients",
+                               "data_paths", "steps_per_s") if key not in outcome]
+    assert not missing, f"the final line lacks {missing}: {outcome}"

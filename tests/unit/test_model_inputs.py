@@ -110,3 +110,26 @@ def test_an_npz_of_one_example_is_refused_or_holds_one_out(tmp_path):
         return
     assert data.num_train >= 1 and data.num_test >= 1, (
         f"{data.num_train} training and {data.num_test} held-out examples")
+
+
+# ---- float labels of whole values, as a data set's loader takes them
+
+def _model_params_batch():
+    model = EmbeddingMLP(2, FIELD_SIZES, dim=2, hidden=(3,))
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.integers(0, n, 4) for n in FIELD_SIZES], axis=1)
+    x = Features(rng.normal(size=(4, 2)), ids)
+    params = {v.name: rng.normal(0.0, 0.7, v.shape) for v in model.variables()}
+    for name, table_ids in model.row_ids((x, None)).items():
+        params[name] = rng.normal(0.0, 0.7, (len(table_ids), model.dim))
+    return model, params, x
+
+
+def test_embedding_mlp_takes_float_0_1_labels_as_it_did():
+    model, params, x = _model_params_batch()
+    ints = np.array([0, 1, 1, 0])
+    expected = model.loss_and_grads(params, (x, ints))[0]
+    loss = model.loss_and_grads(params, (x, ints.astype(np.float32)))[0]
+    assert loss == expected
+    assert model.evaluate(params, (x, ints.astype(np.float64))) == model.evaluate(
+        params, (x, ints))
