@@ -594,8 +594,10 @@ class PSClient:
         `wire_dtype` ("float16", "bfloat16", ...) narrows the transfer; values come back in
         the variable's own dtype. `out` maps names to C-contiguous arrays of the variable's
         shape and dtype (e.g. reusable or pinned host buffers) that the bytes land in
-        directly. Raises RemoteError.
+        directly (on an error, they may hold part of the new values). Raises RemoteError,
+        and ValueError for an `out` that is not such a mapping.
         """
+        _check_out_mapping(out)
         single = isinstance(names, str)
         wanted = [names] if single else list(dict.fromkeys(names))
         key = (tuple(wanted), wire_dtype)
@@ -663,6 +665,7 @@ class PSClient:
         """`pull` in the background (e.g. the next step's parameters while this step
         computes); returns a Future of what `pull` returns."""
         self._refuse_if_closed(closing=True)
+        _check_out_mapping(out)  # here, not in the background: the caller's mistake
         return self._submit(self._prefetch_pool, self.pull, names, wire_dtype=wire_dtype,
                             out=out)
 
@@ -1184,6 +1187,7 @@ class PSClient:
         applied there, exactly as with the two calls in turn, and the same errors are
         raised: a bad `names` or `out` is refused before anything is sent. `wire_dtype` is
         both parts'. Returns what `pull` returns."""
+        _check_out_mapping(out)
         single = isinstance(names, str)
         wanted = [names] if single else list(dict.fromkeys(names))
         shard_map = self._map_with([*grads, *wanted])
@@ -1216,6 +1220,7 @@ class PSClient:
         """`push_pull` in the background, in the window of `push_async` (`flush` waits for
         it too); returns a Future of the pulled values. The caller must not modify `grads`
         or read `out` until it is done."""
+        _check_out_mapping(out)
         return self._push_in_background(self.push_pull, grads, names, out=out,
                                         wire_dtype=wire_dtype)
 
@@ -1752,6 +1757,14 @@ class PSClient:
             futures.wait(pending)  # none may still be running when this returns or raises
         for future in pending:
             future.result()
+
+
+def _check_out_mapping(out) -> None:
+    """A pull's `out` maps names to arrays: an array given alone (as pull_rows takes one)
+    would be looked up by name, found to hold none, and silently left as it was."""
+    if out is not None and not isinstance(out, Mapping):
+        raise ValueError(f"out must map variable names to arrays (out={{name: array}}), got "
+                         f"{type(out).__name__}")
 
 
 def _in_order(rows: np.ndarray, inverse: np.ndarray | None, result: np.ndarray) -> np.ndarray:
