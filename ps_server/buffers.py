@@ -8,34 +8,41 @@ here). Shard sizes repeat step after step, so buffers are kept by exact size and
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
 
 class BufferPool:
-    """Thread-safe. Keeps at most `max_cached_bytes` of idle buffers."""
+    """Thread-safe. Keeps at most `max_cached_bytes` (a number, or a callable that says it
+    now) of idle buffers; past it, the buffers idle longest go first, so sizes that stopped
+    coming back (row pushes change size every step) do not hold the room."""
 
-    def __init__(self, max_cached_bytes: int = 1 << 30):
-        self._max = max_cached_bytes
-        self._idle: dict[int, list[np.ndarray]] = defaultdict(list)
+    def __init__(self, max_cached_bytes: int | Callable[[], int] = 1 << 30):
+        self._max = max_cached_bytes if callable(max_cached_bytes) else (
+            lambda: max_cached_bytes)
+        self._idle: list[np.ndarray] = []  # oldest release first
         self._cached = 0
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of exactly `nbytes` (contents undefined)."""
         with self._lock:
-            idle = self._idle.get(nbytes)
-            if idle:
-                self._cached -= nbytes
-                return idle.pop()
+            for i in range(len(self._idle) - 1, -1, -1):  # the most recently released
+                if self._idle[i].nbytes == nbytes:
+                    self._cached -= nbytes
+                    return self._idle.pop(i)
         return np.empty(nbytes, dtype=np.uint8)
 
     def release(self, buffer: np.ndarray) -> None:
         with self._lock:
-            if self._cached + buffer.nbytes <= self._max:
-                self._idle[buffer.nbytes].append(buffer)
-                self._cached += buffer.nbytes
+            limit = self._max()
+            if buffer.nbytes > limit:
+                return
+            while self._cached + buffer.nbytes > limit:
+                self._cached -= self._idle.pop(0).nbytes
+            self._idle.append(buffer)
+            self._cached += buffer.nbytes
 
     @property
     def cached_bytes(self) -> int:

@@ -124,9 +124,8 @@ class PushStaging:
     """Thread-safe. `held_bytes()`: the bytes of values and slots the server holds now,
     from which the default bound follows."""
 
-    def __init__(self, pool: BufferPool, held_bytes: Callable[[], int],
-                 memory_bytes: int | None = None, directory: str | None = None):
-        self._pool = pool
+    def __init__(self, held_bytes: Callable[[], int], memory_bytes: int | None = None,
+                 directory: str | None = None):
         self._held_bytes = held_bytes
         self._memory_bytes = memory_bytes
         self.directory = directory or tempfile.gettempdir()
@@ -136,6 +135,12 @@ class PushStaging:
         self._closed = False
         self.staged_pushes = 0  # pushes that waited in a file, so far
         self.staging_files_made = 0  # of which in a file made for them (not reused)
+        # Buffers of pushes waiting in memory, kept for the next ones: idle and in use
+        # together within the bound, so that --push-memory bounds what pushes hold.
+        self._pool = BufferPool(max_cached_bytes=self._idle_room)
+
+    def _idle_room(self) -> int:
+        return max(0, self.memory_bound() - self._in_memory)  # (under the pool's lock only)
 
     def memory_bound(self) -> int:
         if self._memory_bytes is not None:
@@ -167,10 +172,14 @@ class PushStaging:
                 buffers.append(self._pool.acquire(size))
             yield Staged(sizes, buffers, data=buffers)
         finally:
-            for buffer in buffers:
-                self._pool.release(buffer)
             with self._lock:
                 self._in_memory -= total
+            for buffer in buffers:
+                self._pool.release(buffer)
+
+    def idle_buffer_bytes(self) -> int:
+        """Bytes of buffers kept from pushes that waited in memory, for the next ones."""
+        return self._pool.cached_bytes
 
     def idle_file_bytes(self) -> int:
         with self._lock:

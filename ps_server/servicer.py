@@ -70,7 +70,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # Copies of multi-chunk shards for the pulls that pushes overtake: at most this many
         # bytes at once.
         self._pull_copies = PullCopies(self._buffers, ByteBudget(pull_copy_bytes))
-        self.push_staging = PushStaging(self._buffers, store.nbytes, push_memory_bytes, spill_dir)
+        self.push_staging = PushStaging(store.nbytes, push_memory_bytes, spill_dir)
         # A push waiting for its step holds a handler thread: at most --max-streams clients
         # take part in the steps, so that the pool's control-plane threads stay free.
         self._pushes = PushReceiver(store, ledger, self.push_staging,

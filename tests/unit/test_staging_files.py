@@ -13,7 +13,6 @@ import pytest
 from ps_common.errors import ResourceExhausted
 
 from ps_server import push_staging
-from ps_server.buffers import BufferPool
 from ps_server.push_staging import PushStaging
 
 KIB = 1 << 10
@@ -22,7 +21,7 @@ KIB = 1 << 10
 @pytest.fixture
 def staging(tmp_path):
     """Every push staged in a file (no memory for pushes)."""
-    made = PushStaging(BufferPool(), held_bytes=lambda: 0, memory_bytes=0,
+    made = PushStaging(held_bytes=lambda: 0, memory_bytes=0,
                        directory=str(tmp_path))
     yield made
     made.close()
