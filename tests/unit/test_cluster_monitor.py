@@ -15,13 +15,8 @@ class FakeChild:
         self.returncode = None
 
 
-class FinishingCluster:
-    """Answers one status saying the job is running; by the time the caller looks at its
-    workers (it was descheduled in between), they have finished the job and exited, and the
-    coordinator has printed its summary and exited too."""
-
-    def __init__(self, coordinator, workers):
-        self.coordinator, self.workers = coordinator, workers
+class FakeClient:
+    """Stands in for the CoordinatorClient class and its instances alike."""
 
     def __call__(self, *args, **kwargs):
         return self
@@ -31,6 +26,15 @@ class FinishingCluster:
 
     def __exit__(self, *exc):
         return False
+
+
+class FinishingCluster(FakeClient):
+    """Answers one status saying the job is running; by the time the caller looks at its
+    workers (it was descheduled in between), they have finished the job and exited, and the
+    coordinator has printed its summary and exited too."""
+
+    def __init__(self, coordinator, workers):
+        self.coordinator, self.workers = coordinator, workers
 
     def status(self, *, watching: bool = False):
         if self.coordinator.returncode is not None:
@@ -149,21 +153,12 @@ def _status(state: str) -> dict:
     }
 
 
-class EndsWithLog:
+class EndsWithLog(FakeClient):
     """Answers one status saying the job is over; then the coordinator exits having written
     `log_text` (what reached its log) to its log."""
 
     def __init__(self, coordinator, log_text, returncode=0):
         self.coordinator, self.log_text, self.returncode = coordinator, log_text, returncode
-
-    def __call__(self, *args, **kwargs):
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
     def status(self, *, watching: bool = False):
         assert self.coordinator.returncode is None, "status asked of an exited coordinator"
