@@ -136,10 +136,25 @@ class Capture:
                 if self._used + size > self._memory:
                     return held
                 self._used += size
-            copy = ShardCopy.of(held)  # outside the condition: other shards' pushes go on
+            try:
+                copy = ShardCopy.of(held)  # outside the condition: other shards' pushes go on
+            except BaseException:
+                self._give_back(size)
+                raise
             with self._cond:
-                self._copies[key] = copy
+                # The writer may have finished the shard meanwhile (it reads the last block
+                # under the shard's lock, then says so without it): then nobody needs the
+                # copy, and `written` found none to free.
+                if key in self._pending:
+                    self._copies[key] = copy
+                    continue
+            self._give_back(size)
         return None
+
+    def _give_back(self, size: int) -> None:
+        with self._cond:
+            self._used -= size
+            self._cond.notify_all()
 
     def wait_written(self, held) -> None:
         with self._cond:
