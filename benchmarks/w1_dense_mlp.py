@@ -42,15 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 
 from ps_worker.cluster import worker_environment
+from ps_worker.data import TEST_FRACTION
 
 HIDDEN = (512, 512)
 FEATURES, CLASSES, BATCH, LR = 784, 10, 128, 0.01
 EXAMPLES = 128 * 100
 PARAMS = sum(a * b + b for a, b in zip((FEATURES, *HIDDEN), (*HIDDEN, CLASSES), strict=True))
-# 20 steps a task (100 batches an epoch): as in a real job, a worker leases a task, runs its
-# steps with pulls and pushes overlapped, and drains its pushes at the end. The coordinator
-# counts a task's steps when it completes, so a window's count is off by < 20 per worker.
+# As in a real job, a worker leases a task, runs its steps with pulls and pushes overlapped,
+# and drains its pushes at the end. The coordinator counts a task's steps when it completes,
+# so a window's count is off by at most STEPS_PER_TASK per worker: 16 (the job trains on
+# the 80% of the examples it does not hold out, 80 batches an epoch, in 5 tasks).
 TASKS_PER_EPOCH = 5
+STEPS_PER_TASK = (EXAMPLES - round(EXAMPLES * TEST_FRACTION)) // BATCH // TASKS_PER_EPOCH
 STEPPING_TIMEOUT_S = 120.0  # every worker's first task, however many start at once
 WINDOW_LIMIT_S = 120.0  # a measured window waits this long at most for a first step
 

@@ -15,9 +15,10 @@ steps/s and per-worker steps/s / compute-only steps/s.
     python benchmarks/w5_scale.py [--workers 1,2,4,8] [--servers 1,2,4] [--seconds 10] [--warmup 3]
     python benchmarks/w5_scale.py --quick          # 2 servers x 1 and 2 workers, briefly: does it run?
 
-The coordinator counts a task's steps when the task is reported (2 steps a task), so a
-window's count is off by at most 2 steps per worker: keep `--seconds` long enough that this
-is small against the steps counted (the table shows them).
+The coordinator counts a task's steps when the task is reported (16 steps a task:
+w1_dense_mlp.STEPS_PER_TASK), so a window's count is off by at most 16 steps per worker:
+keep `--seconds` long enough that this is small against the steps counted (the table shows
+them).
 """
 
 from __future__ import annotations
