@@ -15,7 +15,7 @@ import sys
 from typing import Mapping
 
 from ps_common.auth import TOKEN_FILE_ENV, token_from
-from ps_common.tf_config import TF_CONFIG_ENV, Task, TFConfigError, task_for
+from ps_common.tf_config import TF_CONFIG_ENV, Task, TFConfigError, split_address, task_for
 from ps_common.tls import TLS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -62,10 +62,11 @@ def _finite(text: str) -> float:
 
 
 def parse_address(text: str) -> str:
-    """HOST:PORT (argparse type)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    """HOST:PORT, an IPv6 host in brackets (argparse type)."""
+    try:
+        split_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
 

@@ -103,7 +103,12 @@ def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    elif ":" in host:
+        # '::1:2222' would bind, but what it advertises is no address gRPC can dial.
+        raise ValueError(f"{address!r} is not HOST:PORT: an IPv6 host goes in brackets, "
+                         "as in [::1]:2222")
+    if (not sep or not host or not (port.isascii() and port.isdigit())
+            or not 0 < int(port) < 65536):
         raise ValueError(f"{address!r} is not HOST:PORT")
     return host, int(port)
 
@@ -182,12 +187,12 @@ def _addresses(cluster: dict, key: str, *, required: bool = True) -> tuple[str, 
     if not isinstance(entries, list):
         raise TFConfigError(f"cluster.{key} must be a list of HOST:PORT, not {entries!r}")
     for i, entry in enumerate(entries):
+        if not isinstance(entry, str):
+            raise TFConfigError(f"cluster.{key}[{i}] {entry!r} is not HOST:PORT")
         try:
-            if not isinstance(entry, str):
-                raise ValueError
             split_address(entry)
-        except ValueError:
-            raise TFConfigError(f"cluster.{key}[{i}] {entry!r} is not HOST:PORT") from None
+        except ValueError as error:
+            raise TFConfigError(f"cluster.{key}[{i}] {error}") from None
     return tuple(entries)
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from ps_common.auth import read_token_file
+from ps_common.cli import parse_address
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_server import cli as server_cli
 from ps_server.coordinator import cli as coordinator_cli
@@ -141,3 +142,14 @@ def test_a_server_that_fails_to_start_gives_the_signals_back(monkeypatch):
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("text", ["::1:2222", "host", "host:0", "host:\u0663"])
+def test_an_address_flag_that_is_not_host_port_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_address(text)
+
+
+@pytest.mark.parametrize("text", ["[::1]:2222", "127.0.0.1:50050", "job-ps-0.ns.svc:2222"])
+def test_an_address_flag_of_host_port_is_taken(text):
+    assert parse_address(text) == text

@@ -98,6 +98,11 @@ BAD = {
                            SERVER, "cluster.ps[1]"),
     "entry-bad-port": (tf_config("chief", cluster={**CLUSTER, "chief": ["c:70000"]}),
                        COORDINATOR, "cluster.chief[0]"),
+    # '::1:2222' would bind, and advertise an address gRPC cannot dial: the job would hang.
+    "ipv6-without-brackets": (tf_config("ps", cluster={**CLUSTER, "ps": ["::1:2222", "p:1"]}),
+                              SERVER, "in brackets"),
+    "port-of-other-digits": (tf_config("ps", cluster={**CLUSTER, "ps": ["p:\u0663", "p:1"]}),
+                             SERVER, "cluster.ps[0]"),
     "worker-entry-not-a-string": (tf_config("worker", cluster={**CLUSTER, "worker": [2222]}),
                                   WORKER, "cluster.worker[0]"),
     "no-task": (json.dumps({"cluster": CLUSTER}), SERVER, "task"),
