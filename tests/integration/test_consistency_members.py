@@ -21,6 +21,15 @@ def sgd() -> dict:
     return {"name": "sgd", "lr": 1.0}
 
 
+def one_server_with_short_steps(make_cluster):
+    """(cluster, server): one server whose step wait is 5 s instead of the product's 30 s
+    bound (a correct server never reaches it in these tests)."""
+    cluster = make_cluster(servers=1)
+    server = cluster.servers[0]
+    gate(server)._wait_s = 5.0
+    return cluster, server
+
+
 # ---- Clients the coordinator retired -----------------------------------------------------
 #
 # Consistency steps and a client whose incarnation the coordinator retired (declared dead,
@@ -40,11 +49,7 @@ def member_incarnation(server, client_id: str):
 @pytest.mark.parametrize("mode", ["sync", "ssp:0"])
 def test_a_retired_incarnation_that_pushes_again_is_refused_and_holds_no_live_client(
         make_cluster, spawn, mode):
-    cluster = make_cluster(servers=1)
-    server = cluster.servers[0]
-    # The product's 30 s bound on a step's wait, shortened: a correct server never waits
-    # here (the live client is alone in the steps once the other is fenced).
-    gate(server)._wait_s = 5.0
+    cluster, server = one_server_with_short_steps(make_cluster)
     with PSClient(cluster.coordinator_address) as a, \
             PSClient(cluster.coordinator_address) as b:
         a.declare("w", (4,), optimizer=sgd())
@@ -77,9 +82,7 @@ def test_a_retired_incarnation_that_pushes_again_is_refused_and_holds_no_live_cl
 
 def test_sync_a_contributor_retired_while_its_push_waits_does_not_fail_the_live_clients_step(
         make_cluster, spawn):
-    cluster = make_cluster(servers=1)
-    server = cluster.servers[0]
-    gate(server)._wait_s = 5.0
+    cluster, server = one_server_with_short_steps(make_cluster)
     with PSClient(cluster.coordinator_address) as a, \
             PSClient(cluster.coordinator_address) as b:
         a.declare("w", (4,), optimizer=sgd())

@@ -7,6 +7,8 @@ restarted)"), not in `servers`."""
 
 from __future__ import annotations
 
+import pytest
+
 from ps_worker.chaos import Kill, Target, missing_evidence
 
 
@@ -28,33 +30,29 @@ def _server(server_id: str) -> dict:
     return {"id": server_id, "state": "alive", "state_losses": 0}
 
 
-def test_a_new_coordinator_still_awaiting_a_server_is_not_recovered():
+def _coordinator_killed() -> Kill:
+    """The kill of generation 7's coordinator, whose status showed ps-0 and ps-1 alive."""
     before = _status(generation=7, steps=306, servers=[_server("ps-0"), _server("ps-1")],
                      awaiting=[])
-    kill = Kill(Target("coordinator", "", "coordinator"), at_step=306, killed_at=0.0,
+    return Kill(Target("coordinator", "", "coordinator"), at_step=306, killed_at=0.0,
                 before=before)
-    # The new coordinator (generation 8): ps-0 registered again, ps-1 not yet; a worker's
-    # task finished meanwhile (the data path never passes through the coordinator).
-    after = _status(generation=8, steps=312, servers=[_server("ps-0")], awaiting=["ps-1"])
-    assert missing_evidence(kill, after) is not None, (
-        "counted as recovered while ps-1 has not registered with the new coordinator")
 
 
-def test_a_new_coordinator_that_no_server_has_registered_with_is_not_recovered():
-    before = _status(generation=7, steps=306, servers=[_server("ps-0"), _server("ps-1")],
-                     awaiting=[])
-    kill = Kill(Target("coordinator", "", "coordinator"), at_step=306, killed_at=0.0,
-                before=before)
-    after = _status(generation=8, steps=312, servers=[], awaiting=[])
-    assert missing_evidence(kill, after) is not None, (
-        "counted as recovered with no server registered again")
+@pytest.mark.parametrize("servers, awaiting", [
+    # ps-0 registered again, ps-1 not yet; a worker's task finished meanwhile (the data path
+    # never passes through the coordinator).
+    (["ps-0"], ["ps-1"]),
+    ([], []),  # no server registered again
+], ids=["awaiting-ps-1", "none-registered"])
+def test_a_new_coordinator_without_every_server_registered_again_is_not_recovered(
+        servers, awaiting):
+    after = _status(generation=8, steps=312, servers=[_server(s) for s in servers],
+                    awaiting=awaiting)
+    assert missing_evidence(_coordinator_killed(), after) is not None, (
+        f"counted as recovered with servers {servers} registered again")
 
 
 def test_a_new_coordinator_with_every_server_registered_again_is_recovered():
-    before = _status(generation=7, steps=306, servers=[_server("ps-0"), _server("ps-1")],
-                     awaiting=[])
-    kill = Kill(Target("coordinator", "", "coordinator"), at_step=306, killed_at=0.0,
-                before=before)
     after = _status(generation=8, steps=312, servers=[_server("ps-0"), _server("ps-1")],
                     awaiting=[])
-    assert missing_evidence(kill, after) is None
+    assert missing_evidence(_coordinator_killed(), after) is None
