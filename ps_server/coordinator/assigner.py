@@ -81,19 +81,18 @@ class Assigner:
             member = next((m for m in self._state.servers() if m.server_id == server_id), None)
             if member is not None and member.synced_epoch >= min_epoch:
                 return []
-            shard_map = self._state.shard_map
+            delivery = self._state.delivery(server_id)
+            shard_map, plan = delivery.shard_map, delivery.restore
             request = ps_pb.AssignShardsRequest(
                 map=shardmap_to_proto(shard_map), generation=self._state.generation,
                 control_token=self._token)
-            plan = self._state.restore_plan(server_id)
             if plan is not None:
-                checkpoint, keys, ledger = plan
-                request.restore.checkpoint = str(checkpoint)
+                request.restore.checkpoint = str(plan.checkpoint)
                 request.restore.shards.extend(ps_pb.ShardRef(variable=v, index=i)
-                                              for v, i in sorted(keys))
-                request.restore.ledger = ledger
+                                              for v, i in sorted(plan.keys))
+                request.restore.ledger = plan.ledger
             request.superseded.extend(ps_pb.ShardRef(variable=v, index=i)
-                                      for v, i in sorted(self._state.superseded(server_id)))
+                                      for v, i in sorted(delivery.superseded))
             try:
                 reply = self._stub(address).AssignShards(request, timeout=self._timeout)
             except grpc.RpcError as error:
@@ -106,15 +105,16 @@ class Assigner:
                         for f in reply.failed if not f.checkpoint_unreadable]
             unreadable = [f.message for f in reply.failed if f.checkpoint_unreadable]
             if plan is not None:
-                unrestored = {f.shard.key for f in failures} & keys
-                self._state.restore_done(server_id, set() if unreadable else keys - unrestored)
+                unrestored = {f.shard.key for f in failures} & plan.keys
+                self._state.restore_done(server_id,
+                                         set() if unreadable else plan.keys - unrestored)
                 if unreadable:
-                    self._state.restore_failed(server_id, checkpoint, unreadable[0])
+                    self._state.restore_failed(server_id, plan.checkpoint, unreadable[0])
                 elif unrestored:  # e.g. out of memory for now: sent again with the next epoch
                     log.error("server %s could not restore %d shard(s) (%s); trying again",
                               server_id, len(unrestored), failures[0].message)
                     self._state.retry_restore()
-                    failures = [f for f in failures if f.shard.key not in keys]
+                    failures = [f for f in failures if f.shard.key not in plan.keys]
             # Recorded before the acknowledgement: a declaration that then finds this server
             # synced also finds the failure (whichever declaration placed it looks it up).
             for failure in failures:

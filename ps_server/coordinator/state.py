@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ps_common.clock import Clock
 from ps_common.errors import DataLost, NotReady, SpecConflict
@@ -85,6 +86,26 @@ class ServerEvent:
     address: str
     shards: tuple[str, ...] = ()
     checkpoint: str = ""  # "moved": the checkpoint the shards were restored from
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Shards an assignment creates from a checkpoint (a directory), and whether the
+    server's exactly-once ledger comes back with them."""
+
+    checkpoint: Path | None
+    keys: frozenset[tuple[str, int]]
+    ledger: bool
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One assignment to one server: the map, what it restores, and the shards placed
+    elsewhere since that the server may still hold (it drops them)."""
+
+    shard_map: ShardMap
+    restore: RestorePlan | None
+    superseded: frozenset[tuple[str, int]]
 
 
 def describe_shard(shard: Shard) -> str:
@@ -176,23 +197,30 @@ class CoordinatorState:
         return (manifest is not None
                 and manifest.variables.get(shard.variable) == self._map.variables[shard.variable])
 
-    def restore_plan(self, server_id: str):
-        """(checkpoint directory, shard keys, whether to restore the server's ledger too) for
-        the next assignment to `server_id`, or None when it creates nothing from a checkpoint.
-        The ledger comes back only with the shards it was cut with: the same server, the same
-        rows (clients' retries to that server are then deduplicated as before)."""
+    def delivery(self, server_id: str) -> Delivery:
+        """What the next assignment to `server_id` carries, read at one instant: a
+        declaration or move that lands while it is built never pairs a newer restore with an
+        older map (the server would skip shards its map lacks, and the restore would count
+        as done)."""
         with self._lock:
-            keys = self._restore.get(server_id)
-            manifest = self._catalog.current() if self._catalog else None
-            if not keys or manifest is None:
-                return None
-            saved = {(r.variable, r.index): (r.server_id, r.row_start, r.row_stop)
-                     for r in manifest.shards}
-            placed = {s.key: (s.server_id, s.row_start, s.row_stop)
-                      for s in self._map.shards_on(server_id)}
-            ledger = server_id in manifest.ledgers and all(
-                saved.get(key) == placed.get(key) for key in keys)
-            return manifest.directory, set(keys), ledger
+            return Delivery(self._map, self._restore_plan(server_id),
+                            frozenset(self._superseded(server_id)))
+
+    def _restore_plan(self, server_id: str) -> RestorePlan | None:
+        """Expects the lock held. The ledger comes back only with the shards it was cut
+        with: the same server, the same rows (clients' retries to that server are then
+        deduplicated as before)."""
+        keys = self._restore.get(server_id)
+        manifest = self._catalog.current() if self._catalog else None
+        if not keys or manifest is None:
+            return None
+        saved = {(r.variable, r.index): (r.server_id, r.row_start, r.row_stop)
+                 for r in manifest.shards}
+        placed = {s.key: (s.server_id, s.row_start, s.row_stop)
+                  for s in self._map.shards_on(server_id)}
+        ledger = server_id in manifest.ledgers and all(
+            saved.get(key) == placed.get(key) for key in keys)
+        return RestorePlan(manifest.directory, frozenset(keys), ledger)
 
     def restore_done(self, server_id: str, keys: set[tuple[str, int]]) -> None:
         with self._lock:
@@ -231,12 +259,11 @@ class CoordinatorState:
         with self._lock:
             self._map = replace(self._map, epoch=self._next_epoch())
 
-    def superseded(self, server_id: str) -> set[tuple[str, int]]:
-        """Trained shards `server_id` may hold that the map has placed elsewhere since."""
-        with self._lock:
-            elsewhere = {s.key for s in self._map.shards_on(server_id)}
-            return {key for sid, key in self._moved_away
-                    if sid == server_id and key not in elsewhere}
+    def _superseded(self, server_id: str) -> set[tuple[str, int]]:
+        """Expects the lock held. Trained shards `server_id` may hold that the map has placed
+        elsewhere since."""
+        elsewhere = {s.key for s in self._map.shards_on(server_id)}
+        return {key for sid, key in self._moved_away if sid == server_id and key not in elsewhere}
 
     @property
     def shard_map(self) -> ShardMap:
