@@ -314,7 +314,8 @@ class ParameterServer:
                     if not registered:
                         reply = self._coordinator_call(stub.RegisterServer,
                                                        self._registration())
-                        self.fence.adopt(reply.generation, reply.control_token)
+                        self.fence.adopt(reply.generation, reply.control_token,
+                                         reply.min_epoch)
                         # The coordinator times members out at a multiple of its own
                         # interval: a server set to heartbeat more slowly would be declared
                         # dead while alive. It keeps a faster interval of its own.

@@ -12,7 +12,7 @@ import hmac
 import logging
 import threading
 
-from ps_common.errors import NotAuthorized
+from ps_common.errors import NotAuthorized, StaleEpoch
 from ps_common.shardmap import EMPTY_MAP, ShardMap
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ class CoordinatorFence:
         self._token = b""
         self._last_map = EMPTY_MAP
         self._retired_through = 0
+        self._min_epoch = 0  # assignments older than this were built before registering
 
     @property
     def generation(self) -> int:
@@ -44,9 +45,11 @@ class CoordinatorFence:
         with self._lock:
             return self._retired_through
 
-    def adopt(self, generation: int, token: bytes) -> None:
-        """Obey the coordinator whose registration reply carried these (from now on)."""
+    def adopt(self, generation: int, token: bytes, min_epoch: int = 0) -> None:
+        """Obey the coordinator whose registration reply carried these (from now on), in
+        assignments of `min_epoch` or later."""
         with self._lock:
+            self._min_epoch = min_epoch
             if generation < self._generation:
                 log.warning("registered with coordinator generation %d, older than %d seen "
                             "before: its clock may have gone back", generation, self._generation)
@@ -54,17 +57,20 @@ class CoordinatorFence:
                 self._retired_through = 0  # a new coordinator's log of retired clients
             self._generation, self._token = generation, token
 
-    def check(self, generation: int, token: bytes) -> None:
-        """Raise NotAuthorized unless the call comes from the coordinator this server obeys."""
+    def check(self, generation: int, token: bytes, epoch: int | None = None) -> None:
+        """Raise NotAuthorized unless the call comes from the coordinator this server obeys;
+        StaleEpoch when it assigns an `epoch` built before this server registered."""
         with self._lock:
             ok = (bool(self._token) and generation == self._generation
                   and hmac.compare_digest(token, self._token))
-            current = self._generation
+            current, floor = self._generation, self._min_epoch
         if not ok:
             raise NotAuthorized(
                 f"control-plane call refused: it does not come from the coordinator this "
                 f"server registered with (generation {current or 'none yet'}; the call "
                 f"names generation {generation})")
+        if epoch is not None and epoch < floor:
+            raise StaleEpoch(epoch, floor)
 
     def remember_map(self, shard_map: ShardMap) -> None:
         with self._lock:

@@ -296,7 +296,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def AssignShards(self, request: pb.AssignShardsRequest, context):
         with translate_errors(context, "AssignShards"):
-            self._fence.check(request.generation, request.control_token)
+            self._fence.check(request.generation, request.control_token, request.map.epoch)
             shard_map = shardmap_from_proto(request.map)
             mine = shard_map.shards_on(self.server_id)
             restore = self._restore_plan(request, shard_map.variables, mine)

@@ -146,6 +146,7 @@ class RegisterServerReply(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     CONTROL_TOKEN_FIELD_NUMBER: _builtins.int
+    MIN_EPOCH_FIELD_NUMBER: _builtins.int
     heartbeat_interval_ms: _builtins.int
     generation: _builtins.int
     """Fencing: the server accepts control-plane calls (AssignShards) only when they carry
@@ -153,16 +154,23 @@ class RegisterServerReply(_message.Message):
     new random token, which only servers receive.
     """
     control_token: _builtins.bytes
+    min_epoch: _builtins.int
+    """The shard-map epoch right after this registration: the server refuses assignments of
+    older epochs from now on. They were built before the coordinator learned what this
+    registration reported (e.g. a new process that lost its shards, which an older
+    assignment would create from their initializers instead of restoring). 0: no floor.
+    """
     def __init__(
         self,
         *,
         heartbeat_interval_ms: _builtins.int = ...,
         generation: _builtins.int = ...,
         control_token: _builtins.bytes = ...,
+        min_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "generation", b"generation", "heartbeat_interval_ms", b"heartbeat_interval_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_token", b"control_token", "generation", b"generation", "heartbeat_interval_ms", b"heartbeat_interval_ms", "min_epoch", b"min_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -107,7 +107,8 @@ class Assigner:
             if plan is not None:
                 unrestored = {f.shard.key for f in failures} & plan.keys
                 self._state.restore_done(server_id,
-                                         set() if unreadable else plan.keys - unrestored)
+                                         set() if unreadable else plan.keys - unrestored,
+                                         delivery.registration)
                 if unreadable:
                     self._state.restore_failed(server_id, plan.checkpoint, unreadable[0])
                 elif unrestored:  # e.g. out of memory for now: sent again with the next epoch
@@ -120,7 +121,7 @@ class Assigner:
             for failure in failures:
                 self._state.record_creation_failure(
                     failure.shard.variable, f"server {server_id}: {failure.message}")
-            self._state.mark_synced(server_id, shard_map.epoch)
+            self._state.mark_synced(server_id, shard_map.epoch, delivery.registration)
             return failures
 
     def sync(self, server_ids: set[str] | None = None,

@@ -68,7 +68,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             # reply; its first heartbeat asks for the map.
             return pb.RegisterServerReply(
                 heartbeat_interval_ms=self._heartbeat_interval_ms,
-                generation=self._state.generation, control_token=self._token)
+                generation=self._state.generation, control_token=self._token,
+                min_epoch=self._state.shard_map.epoch)
 
     def ServerHeartbeat(self, request, context):
         with translate_errors(context, "ServerHeartbeat"):

@@ -69,6 +69,9 @@ class ServerMember:
     # Its last report of its embedding tables' shards: (variable, index) -> (rows,
     # evictions, bytes).
     tables: tuple[tuple[tuple[str, int], tuple[int, int, int]], ...] = ()
+    # Which registration this is (a number no other registration of any server has): an
+    # acknowledgement counts only for the process that gave it.
+    registration: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class Delivery:
     shard_map: ShardMap
     restore: RestorePlan | None
     superseded: frozenset[tuple[str, int]]
+    registration: int  # the server's (ServerMember.registration) when it was built
 
 
 def describe_shard(shard: Shard) -> str:
@@ -184,6 +188,7 @@ class CoordinatorState:
         # The map epoch at which each shard's current placement was decided or learned.
         self._placement_epoch: dict[tuple[str, int], int] = {}
         self.shards_restored = 0
+        self._registrations = 0
         self._lock = threading.Lock()
 
     def use_checkpoints(self, catalog) -> None:
@@ -203,8 +208,10 @@ class CoordinatorState:
         older map (the server would skip shards its map lacks, and the restore would count
         as done)."""
         with self._lock:
+            member = self._servers.get(server_id)
             return Delivery(self._map, self._restore_plan(server_id),
-                            frozenset(self._superseded(server_id)))
+                            frozenset(self._superseded(server_id)),
+                            member.registration if member else 0)
 
     def _restore_plan(self, server_id: str) -> RestorePlan | None:
         """Expects the lock held. The ledger comes back only with the shards it was cut
@@ -222,8 +229,14 @@ class CoordinatorState:
             saved.get(key) == placed.get(key) for key in keys)
         return RestorePlan(manifest.directory, frozenset(keys), ledger)
 
-    def restore_done(self, server_id: str, keys: set[tuple[str, int]]) -> None:
+    def restore_done(self, server_id: str, keys: set[tuple[str, int]],
+                     registration: int | None = None) -> None:
+        """`server_id` created `keys` from the checkpoint. Nothing is recorded when it has
+        registered again since `registration` (its Delivery's): a new process holds none of
+        it, and its next assignment restores them."""
         with self._lock:
+            if not self._same_registration(server_id, registration):
+                return
             pending = self._restore.get(server_id, set())
             self.shards_restored += len(pending & keys)
             pending -= keys
@@ -319,13 +332,15 @@ class CoordinatorState:
             else:
                 self._fresh.discard(server_id)
             changed = self._merge_report(server_id, report)
+            self._registrations += 1
             self._servers[server_id] = ServerMember(
                 server_id, address, budget_bytes, now + self._timeout,
                 synced_epoch=report.epoch if report.generation == self.generation else 0,
                 last_heartbeat=now,
                 state_losses=previous.state_losses if previous else 0,
                 lost_shards=previous.lost_shards if previous else (),
-                loss_action=previous.loss_action if previous else "")
+                loss_action=previous.loss_action if previous else "",
+                registration=self._registrations)
             self._down_since.pop(server_id, None)
             self._timed_out.discard(server_id)
             if self._map.servers.get(server_id, address) != address:
@@ -476,14 +491,28 @@ class CoordinatorState:
             member = self._servers.get(server_id)
             if member is None or (generation is not None and generation != self.generation):
                 return False, False
+            # The epoch a heartbeat carries is no acknowledgement either way: it may have
+            # been read before an assignment the server has acknowledged since (lowering
+            # synced_epoch would send that map again and hold declarations of known
+            # variables behind the server), or come from a process that has died since
+            # (its successor registered and holds nothing).
             self._servers[server_id] = replace(
                 member, online_until=now + self._timeout, last_heartbeat=now,
-                synced_epoch=min(member.synced_epoch, server_epoch),
                 tables=member.tables if tables is None else tuple(tables))
             return True, (server_epoch < self._map.epoch and server_id not in self._frozen)
 
-    def mark_synced(self, server_id: str, epoch: int) -> None:
+    def _same_registration(self, server_id: str, registration: int | None) -> bool:
+        """Expects the lock held."""
+        member = self._servers.get(server_id)
+        return registration is None or (member is not None
+                                        and member.registration == registration)
+
+    def mark_synced(self, server_id: str, epoch: int, registration: int | None = None) -> None:
+        """`server_id` acknowledged `epoch`; ignored when it has registered again since
+        `registration` (the process that acknowledged may be gone, its successor empty)."""
         with self._lock:
+            if not self._same_registration(server_id, registration):
+                return
             member = self._servers.get(server_id)
             if member is not None and epoch > member.synced_epoch:
                 self._servers[server_id] = replace(member, synced_epoch=epoch)
@@ -680,10 +709,12 @@ class CoordinatorState:
                     f"variable {spec.name!r} declared twice in one request with different "
                     f"specs: {seen[spec.name].describe()} vs {spec.describe()}")
             seen[spec.name] = spec
-        candidates = [Candidate(m.server_id, m.address, m.budget_bytes)
-                      for m in self.live_servers()]
         now = self._clock.monotonic()
         with self._lock:
+            # Read under the lock that places: a server re-registering at a new address
+            # meanwhile must not have its old address written back into the map.
+            candidates = [Candidate(m.server_id, m.address, m.budget_bytes)
+                          for m in self._servers.values() if m.online_until > now]
             if self._data_loss:
                 raise DataLost(self._data_loss)
             new = []

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ps_common.checkpoints import MANIFEST, RowSource, checkpoint_ids
+from ps_server.testing import wait_until
 from ps_worker import PSClient, RetryPolicy
 
 SGD1 = {"name": "sgd", "lr": 1.0}
@@ -36,6 +37,12 @@ def test_a_restarted_server_gets_its_values_back_from_the_newest_checkpoint(
         with caplog.at_level(logging.INFO):
             cluster.restart_server(holder_index(cluster, ps, "w"))
             cluster.wait_until_synced()
+            # The server logs what it restored after its store is at the new epoch (which is
+            # all wait_until_synced sees) and before it answers the assignment; the
+            # coordinator counts the restore once it has the answer. Wait for that, inside
+            # this block: an INFO record emitted after it ends is dropped.
+            wait_until(lambda: cluster.coordinator.state.shards_restored == 1,
+                       "the coordinator counts the restore")
         np.testing.assert_array_equal(ps.pull("w"), np.full((8, 4), -3.0, np.float32))
         ps.push({"w": np.ones((8, 4), np.float32)})  # training goes on from the restored values
         np.testing.assert_array_equal(ps.pull("w"), np.full((8, 4), -4.0, np.float32))
