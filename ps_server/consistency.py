@@ -217,12 +217,15 @@ class StepGate:
                 return None
             return self._mode.kind
 
-    def check_member(self, client_id: str, incarnation: int) -> None:
+    def check_member(self, client_id: str, incarnation: int) -> str:
         """Raises FailedPrecondition unless `client_id` takes part in the steps (before a
-        stepped push is applied: it is refused whole, never applied and then refused)."""
+        stepped push is applied: it is refused whole, never applied and then refused).
+        Returns the mode kind it takes part in, read with its membership: a LeaveSteps
+        right after must not turn a sync push into an async one."""
         with self._changed:
             self._check_open()
             self._member(client_id, incarnation)
+            return self._mode.kind
 
     def current_step(self) -> int:
         with self._changed:
@@ -251,7 +254,11 @@ class StepGate:
         started = self._clock()
         with self._changed:
             self._check_open()
-            member = self._member(client_id, incarnation)
+            member = self._members.get(client_id)
+            if member is None or member.incarnation != incarnation:
+                # It left (or was retired) after its push was admitted and applied: nothing
+                # to wait for, and refusing it now would say a push applied was not.
+                return PushOutcome(next_step=step + 1, waited_s=self._waited(started))
             member.done = max(member.done, step + 1)
             self._high = max(self._high, member.done)
             self._changed.notify_all()

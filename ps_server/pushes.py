@@ -139,14 +139,14 @@ class PushReceiver:
         """`grads`: raw_gradient views, in their wire dtypes; `read_block` reads a block of
         one (ps_common.shm.BlockReader), if given. `finite`: the positions of gradients
         found finite already (FiniteOnArrival)."""
-        if header.step is not None:
-            self.steps.check_member(header.client_id, header.incarnation)
+        kind = (self.steps.check_member(header.client_id, header.incarnation)
+                if header.step is not None else None)
         stored = [held.spec.dtype for held in targets]
         converting = ConvertingReader(grads, header.metas, stored, read_block)
         self._store.check_gradients(targets, grads, converting.for_finiteness(), finite,
                                     client_refuses=header.refuse_non_finite)
         read_block = converting.for_update()  # converts a block at a time
-        sync = header.step is not None and self.steps.kind_of(header.client_id) == SYNC
+        sync = kind == SYNC
         if sync or header.row_ids is not None:
             # A sync step's sum and a row push's sum of repeated ids take their gradients
             # whole.

@@ -61,6 +61,10 @@ class HeldShard:
     # Pulls streaming `values` piece by piece (ps_server.live_reads), under `lock`: an update
     # gives them a copy first.
     live_reads: list = field(default_factory=list)
+    # (the epoch it was held at, the epoch of the assignment that dropped or replaced it),
+    # set under `lock`: a push planned before then is refused (StaleEpoch), never applied
+    # to values no longer held.
+    dropped: tuple[int, int] | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -113,6 +117,18 @@ def _shard_fits(spec: VariableSpec, shard: Shard) -> bool:
     if spec.is_table:
         return 0 <= shard.row_start < shard.stride and shard.row_stop == spec.rows
     return shard.stride == 1 and 0 <= shard.row_start < shard.row_stop <= spec.rows
+
+
+def _refuse_dropping_trained(epoch: int, leaving: list[HeldShard], wanted: dict,
+                             superseded: frozenset) -> None:
+    """TrainedShardConflict if an assignment of `epoch` would drop or re-create a shard of
+    `leaving` (held shards it does not keep) that holds trained values, unless superseded."""
+    for held in leaving:
+        if held.updates and held.key not in superseded:
+            raise TrainedShardConflict(
+                f"assignment of epoch {epoch} would "
+                f"{'drop' if held.key not in wanted else 're-create'} {held.describe()}, "
+                f"which holds trained values ({held.updates} update(s)); refused")
 
 
 @dataclass(frozen=True)
@@ -288,15 +304,11 @@ class ShardStore:
                         raise StaleEpoch(epoch, self._epoch)
                     current = dict(self._shards)
                 wanted = {s.key: s for s in shards}
-                for key, held in current.items():
-                    shard = wanted.get(key)
-                    if held.updates and key not in superseded and (
-                            shard is None or held.spec != specs[shard.variable]
-                            or held.shard != shard):
-                        raise TrainedShardConflict(
-                            f"assignment of epoch {epoch} would "
-                            f"{'drop' if shard is None else 're-create'} {held.describe()}, which "
-                            f"holds trained values ({held.updates} update(s)); refused")
+                kept = {key: held for key, held in current.items() if key in wanted
+                        and held.shard == wanted[key] and held.spec == specs[key[0]]}
+                leaving = sorted((held for key, held in current.items()
+                                  if kept.get(key) is not held), key=lambda held: held.key)
+                _refuse_dropping_trained(epoch, leaving, wanted, superseded)
                 created: dict[tuple[str, int], HeldShard] = {}
                 failed: list[tuple[Shard, str]] = []
                 for key, shard in wanted.items():
@@ -335,12 +347,18 @@ class ShardStore:
                     created[key] = HeldShard(spec, shard, values, state, resolve_knobs(spec))
                 for held in created.values():
                     held.seqlock = self.memory.seqlock(held.values)
-                with self._lock:
-                    kept = {key: held for key, held in current.items() if key in wanted
-                            and held.shard == wanted[key] and held.spec == specs[key[0]]}
-                    self._shards = {**kept, **created}
-                    self._epoch = epoch
-                    self.placement_version += 1
+                with contextlib.ExitStack() as locked:
+                    for held in leaving:  # in key order, as pushes take them
+                        locked.enter_context(held.lock)
+                    # Again under their locks: a push planned at the held epoch may have been
+                    # applied while the new shards were made.
+                    _refuse_dropping_trained(epoch, leaving, wanted, superseded)
+                    with self._lock:
+                        for held in leaving:
+                            held.dropped = (self._epoch, epoch)
+                        self._shards = {**kept, **created}
+                        self._epoch = epoch
+                        self.placement_version += 1
                 self.memory.set_epoch(epoch)
                 for key, held in current.items():
                     if kept.get(key) is not held:
@@ -584,6 +602,9 @@ class ShardStore:
         updates the touched rows only."""
         rows = rows or [None] * len(targets)
         with self._updating(targets):
+            for held in targets:
+                if held.dropped is not None:  # an assignment took it since the push's plan
+                    raise StaleEpoch(*held.dropped)
             # Every row found (or made) before anything changes. A dynamic table grows its
             # pool before it evicts (locate), so a refused growth (the memory budget) leaves
             # it as it was; a push to several of them grows every pool first (reserve: a

@@ -1291,7 +1291,9 @@ class PSClient:
 
     def leave_steps(self) -> None:
         """Take part in no steps any more (pushes no longer wait for other clients, and no
-        server waits for this one). Waits for pushes in flight first."""
+        server waits for this one). Waits for push_async pushes in flight first; a push
+        made meanwhile in another thread lands in its step, or after the leave as a push
+        that waits for nobody, and only once either way."""
         with self._lock:
             joined, mode = dict(self._steps), self._mode
             self._mode, self._steps = None, {}
@@ -1485,7 +1487,8 @@ class PSClient:
             with self._lock:
                 self._steps.pop(server_id, None)
             step = self._step_at(shard_map, server_id)  # the server restarted, say
-            self._push_once(shard_map, server_id, pieces, sequence, first_send, step, pull)
+            # This sequence has gone out: a 'duplicate' answer now is its own.
+            self._push_once(shard_map, server_id, pieces, sequence, False, step, pull)
 
     def _push_once(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
                    sequence: int, first_send: bool, step: int | None,

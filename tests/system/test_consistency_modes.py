@@ -46,8 +46,15 @@ def test_every_mode_trains_the_default_job_to_held_out_accuracy_0_95(launch, tmp
 
 def test_ssp_2_holds_the_fast_worker_within_2_steps_of_a_straggler(cluster):
     c = cluster([*SLOW_JOB, "--mode", "ssp:2"])
-    fast = c.start_worker("fast")
+    # The straggler first, and the fast worker only once the straggler trains: the fast
+    # one alone ends this job in about a second, so a straggler whose start lags by half
+    # a second (a loaded machine) used to find the job over, with nothing to hold back.
+    # The straggler alone needs 20 training tasks of 22 steps of 0.02 s or more: the fast
+    # one has many seconds to start and meet it.
     slow = c.start_worker("slow", "--step-delay", "0.02")
+    wait_for(c.observer, lambda s: bool(workers_of(s).get("slow", {}).get("leased_tasks")),
+             "the straggler to hold a task", watch=(*c.daemons, slow))
+    fast = c.start_worker("fast")
     status = c.wait_until_over(watch=(fast, slow))
     job, workers = status["job"], workers_of(status)
     assert job["state"] == "done", job
