@@ -715,7 +715,13 @@ class Worker:
                     if incarnation != self._incarnation:
                         continue
                     self._fenced.set()
-                self._interrupt_client()
+                    # The fenced incarnation's client, read with the check: once the lock is
+                    # released the main thread may register anew and watch a new client,
+                    # which this fence must not interrupt (interrupt() is for good).
+                    with self._client_lock:
+                        fenced = self._client
+                if fenced is not None:
+                    fenced.interrupt()
             elif action == "stop":
                 self._job_over.set()
                 self._interrupt_client()

@@ -877,6 +877,9 @@ class JobRunner:
                 "tasks": [{"task_id": t.task_id, "kind": t.kind, "epoch": t.epoch,
                            "index": t.index, "state": t.state.value,
                            "holder": list(t.holder) if t.holder else None,
+                           # A coordinator restarted again still takes that holder's report.
+                           "resumed_holder": (list(t.resumed_holder) if t.resumed_holder
+                                              else None),
                            "attempts": t.attempts,
                            "metrics": asdict(t.metrics) if t.metrics else None,
                            "parameters_read": t.parameters_read}
@@ -920,6 +923,8 @@ class JobRunner:
                                         tuple(t["holder"]) if t["holder"] else None,
                                         t["attempts"],
                                         Metrics(**t["metrics"]) if t["metrics"] else None,
+                                        resumed_holder=(tuple(t["resumed_holder"])
+                                                        if t.get("resumed_holder") else None),
                                         parameters_read=bool(t.get("parameters_read", False)))
                      for t in state["tasks"]}
             summaries = [EpochSummary(s["epoch"], Metrics(**s["train"]),

@@ -190,10 +190,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.worker_id, request.incarnation, request.task_id,
                 Metrics(m.loss_sum, m.examples, m.correct, m.steps, m.seconds, auc),
                 data_path=request.data_path, steps=_step_report(request))
-            if not duplicate:
-                # On disk before the worker hears it: a task acknowledged as done is done
-                # for a restarted coordinator too.
-                self._save_progress()
+            # On disk before the worker hears it: a task acknowledged as done is done for a
+            # restarted coordinator too. A repeated report (a retry whose first attempt is
+            # still being saved) waits for that save; with nothing new, nothing is written.
+            self._save_progress()
             return pb.CompleteTaskReply(duplicate=duplicate)
 
     def EvaluationReadParameters(self, request, context):

@@ -1,0 +1,56 @@
+"""A task's holder from before a coordinator restart keeps its claim across a second restart.
+
+`JobRunner.restore_state` turns every LEASED task into PENDING and remembers its holder as
+`resumed_holder`, whose late report still counts (it may have finished the task with the
+predecessor). That claim is saved with the task: a coordinator restarted again before the
+holder reports (a crash loop) takes the report too, instead of fencing a worker that was
+never told its lease was revoked.
+
+Deterministic: FakeClocks, each "process" a new JobRunner restored from the previous one's
+export_state through JSON, as Coordinator._resume_job does from coordinator-state.json."""
+
+from __future__ import annotations
+
+import json
+
+from ps_common.clock import FakeClock
+from ps_common.job import JobSpec
+from ps_server.coordinator.jobs import JobRunner, Metrics
+
+TIMEOUT_S = 10.0
+TRAIN = Metrics(loss_sum=2.0, examples=4, correct=3, steps=5, seconds=0.1)
+JOB = JobSpec(epochs=2, tasks_per_epoch=4)
+
+
+def new_process(first_incarnation: int, state: dict | None = None) -> tuple[JobRunner, FakeClock]:
+    clock = FakeClock(1000.0 * first_incarnation)
+    runner = JobRunner(JOB, clock, heartbeat_timeout_s=TIMEOUT_S,
+                       first_incarnation=first_incarnation)
+    if state is not None:
+        runner.restore_state(json.loads(json.dumps(state)))
+    return runner, clock
+
+
+def test_a_holder_from_before_two_restarts_still_has_its_report_taken():
+    first, _ = new_process(100)
+    w0 = first.register_worker("w0")
+    outcome, task = first.lease("w0", w0)
+    assert outcome == "task"
+    # LeaseTask saves before answering: the state on disk has the task leased to w0.
+    saved_by_first = first.export_state()
+
+    # Restart 1. w0 goes on training its task and heartbeats; the new coordinator's
+    # periodic save writes its state.
+    second, _ = new_process(10_000, saved_by_first)
+    assert second.heartbeat("w0", w0) == "continue"
+    saved_by_second = second.export_state()
+
+    # Restart 2, before w0 has finished.
+    third, _ = new_process(20_000, saved_by_second)
+    assert third.heartbeat("w0", w0) == "continue"  # w0 is alive and known: no fence
+
+    # w0 finishes the task it was handed and never lost: its report counts, as it would
+    # have after one restart.
+    duplicate = third.complete("w0", w0, task.task_id, TRAIN)
+    assert duplicate is False
+    assert third.snapshot()["tasks_done"] == 1
