@@ -1285,8 +1285,8 @@ class PSClient:
             # Refused (another mode, say) or unreachable: this client takes part in no
             # steps, on no server, as before the call.
             with self._lock:
-                joined, self._mode, self._steps = dict(self._steps), None, {}
-            self._leave(joined)
+                self._mode, self._steps = None, {}
+            self._leave(shard_map.servers)
             raise
 
     def leave_steps(self) -> None:
@@ -1295,20 +1295,24 @@ class PSClient:
         made meanwhile in another thread lands in its step, or after the leave as a push
         that waits for nobody, and only once either way."""
         with self._lock:
-            joined, mode = dict(self._steps), self._mode
+            mode = self._mode
             self._mode, self._steps = None, {}
         if mode is None:
             return
         try:
             self.flush()  # its pushes carry steps: they land before this client leaves
         finally:
-            self._leave(joined)
+            self._leave(self.shard_map.servers)
 
-    def _leave(self, joined: dict[str, int]) -> None:
+    def _leave(self, servers) -> None:
+        """LeaveSteps on `servers` (ids; those the map no longer names are skipped). It is
+        sent to every server of the map, not only those whose step this client knows: a
+        server whose join answer was lost, or whose step it forgot after a failed sync
+        step, still counts it as a member and would wait for it."""
         shard_map = self.shard_map
         request = ps_pb.LeaveStepsRequest(client_id=self.client_id,
                                           incarnation=self.incarnation)
-        for server_id in joined:
+        for server_id in servers:
             address = shard_map.servers.get(server_id)
             if address is None:
                 continue
@@ -1341,9 +1345,12 @@ class PSClient:
             lambda: self._unary(self._stub(address).JoinSteps, request, self._timeout_s,
                                 server_id), shard_map, server_id, self._retry)
         with self._lock:
-            if self._mode is not mode:  # left (or joined anew) meanwhile
-                return None
-            return self._steps.setdefault(server_id, reply.step)
+            left = self._mode is not mode  # left (or joined anew) meanwhile
+            if not left:
+                return self._steps.setdefault(server_id, reply.step)
+        if self.mode == "async":  # left: this join may have landed after the leave did
+            self._leave([server_id])
+        return None
 
     def _stepped(self, server_id: str, reply: ps_pb.PushReply) -> None:
         with self._lock:
