@@ -206,11 +206,14 @@ class Checkpointer:
             # older one, after a fall-back) may go, whatever --keep-checkpoints says.
             current = self.catalog.current()
             prune(self.catalog.root, self._keep,
-                  protect=[m.id for m in (self.last, current) if m is not None])
+                  protect=[*(m.id for m in (self.last, current) if m is not None),
+                           *self._state.restore_sources()])
             raise
         self.last, self.last_taken_at_step = manifest, step
         self.catalog.adopt(manifest)
-        removed = prune(self.catalog.root, self._keep, protect=manifest.id)
+        # Restores decided before this checkpoint read from the one current then.
+        removed = prune(self.catalog.root, self._keep,
+                        protect=[manifest.id, *self._state.restore_sources()])
         log.info("checkpoint %s complete (%s): step %d, %d shard(s), %.1f MiB in %.2f s%s",
                  manifest.id, reason, step, len(shards), manifest.bytes / 2**20,
                  time.monotonic() - started,

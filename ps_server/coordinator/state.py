@@ -21,6 +21,7 @@ import logging
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ps_common.clock import Clock
 from ps_common.errors import DataLost, NotReady, SpecConflict
@@ -31,6 +32,9 @@ from ps_server.coordinator.placement import (
 )
 from ps_server.initializers import validate_initializer
 from ps_server.optimizers import resolve_knobs
+
+if TYPE_CHECKING:
+    from ps_common.checkpoints import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +183,10 @@ class CoordinatorState:
         self._data_loss_resumable = False
         # Checkpoints (a Catalog, or None): shards lost with their server are restored from
         # the current one; `_restore` holds, per server, the shards its next assignment
-        # creates from it.
+        # creates from a checkpoint, each with the checkpoint (Manifest) current when that
+        # was decided (a newer one may have been cut before the shard's variable existed).
         self._catalog = None
-        self._restore: dict[str, set[tuple[str, int]]] = {}
+        self._restore: dict[str, dict[tuple[str, int], Manifest]] = {}
         # (server, shard key): copies a server may still hold of shards placed elsewhere
         # since (moved from a checkpoint, or a newer holder won): it is told to drop them.
         self._moved_away: set[tuple[str, tuple[str, int]]] = set()
@@ -213,20 +218,47 @@ class CoordinatorState:
                             frozenset(self._superseded(server_id)),
                             member.registration if member else 0)
 
+    def _mark_for_restore(self, server_id: str, keys) -> None:
+        """Expects the lock held, and every key restorable from the current checkpoint."""
+        manifest = self._catalog.current()
+        pending = self._restore.setdefault(server_id, {})
+        for key in keys:
+            pending[key] = manifest
+
+    def restore_sources(self) -> set[str]:
+        """Ids of the checkpoints that restores not yet done come from (never pruned)."""
+        with self._lock:
+            return {m.id for pending in self._restore.values() for m in pending.values()}
+
+    def _restore_source(self, pending: dict) -> Manifest | None:
+        """Expects the lock held. The checkpoint to restore `pending` (key -> the one it was
+        decided with) from: the current one if it holds all of them as declared, else the
+        newest of those they were decided with that does."""
+        current = self._catalog.current() if self._catalog else None
+        decided = sorted({id(m): m for m in pending.values()}.values(),
+                         key=lambda m: m.id, reverse=True)
+        for manifest in [current, *decided]:
+            if manifest is not None and all(
+                    manifest.variables.get(v) == self._map.variables.get(v) for v, _ in pending):
+                return manifest
+        return current or (decided[0] if decided else None)
+
     def _restore_plan(self, server_id: str) -> RestorePlan | None:
-        """Expects the lock held. The ledger comes back only with the shards it was cut
-        with: the same server, the same rows (clients' retries to that server are then
-        deduplicated as before)."""
+        """Expects the lock held. The ledger comes back with the shards this server saved
+        in that checkpoint, when each is restored to the same rows (clients' retries to it
+        are then deduplicated as before); shards it saved that moved elsewhere since, or
+        shards others saved that moved here, do not keep it from coming back."""
         keys = self._restore.get(server_id)
-        manifest = self._catalog.current() if self._catalog else None
+        manifest = self._restore_source(keys) if keys else None
         if not keys or manifest is None:
             return None
         saved = {(r.variable, r.index): (r.server_id, r.row_start, r.row_stop)
                  for r in manifest.shards}
         placed = {s.key: (s.server_id, s.row_start, s.row_stop)
                   for s in self._map.shards_on(server_id)}
-        ledger = server_id in manifest.ledgers and all(
-            saved.get(key) == placed.get(key) for key in keys)
+        own = [key for key in keys if saved.get(key, ("",))[0] == server_id]
+        ledger = server_id in manifest.ledgers and bool(own) and all(
+            saved[key] == placed.get(key) for key in own)
         return RestorePlan(manifest.directory, frozenset(keys), ledger)
 
     def restore_done(self, server_id: str, keys: set[tuple[str, int]],
@@ -237,9 +269,10 @@ class CoordinatorState:
         with self._lock:
             if not self._same_registration(server_id, registration):
                 return
-            pending = self._restore.get(server_id, set())
-            self.shards_restored += len(pending & keys)
-            pending -= keys
+            pending = self._restore.get(server_id, {})
+            self.shards_restored += len(pending.keys() & keys)
+            for key in keys:
+                pending.pop(key, None)
             if not pending:
                 self._restore.pop(server_id, None)
 
@@ -252,11 +285,13 @@ class CoordinatorState:
             current = self._catalog.current() if self._catalog else None
             if current is not None and str(current.directory) == str(checkpoint):
                 self._catalog.fall_back(message)
-            keys = self._restore.get(server_id, set())
+            keys = self._restore.get(server_id, {})
             gone = [s for s in self._map.shards_on(server_id)
                     if s.key in keys and not self._restorable(s)]
             for shard in gone:
-                keys.discard(shard.key)
+                keys.pop(shard.key)
+            for key in keys:  # sent again from whichever checkpoint is current now
+                keys[key] = self._catalog.current()
             if not keys:
                 self._restore.pop(server_id, None)
             recreate = bool(keys)
@@ -393,7 +428,7 @@ class CoordinatorState:
             member, state_losses=member.state_losses + 1,
             lost_shards=tuple(describe_shard(s) for s in lost), loss_action=action)
         if restorable:
-            self._restore.setdefault(server_id, set()).update(s.key for s in restorable)
+            self._mark_for_restore(server_id, [s.key for s in restorable])
             log.warning("parameter server %s (%s) came back without %s: restoring them from "
                         "checkpoint %s (step %d); updates applied after it are lost",
                         server_id, member.address,
@@ -637,7 +672,7 @@ class CoordinatorState:
         for shard, target in chosen:
             moved[shard.variable] = tuple(replace(s, server_id=target) if s == shard else s
                                           for s in moved[shard.variable])
-            self._restore.setdefault(target, set()).add(shard.key)
+            self._mark_for_restore(target, [shard.key])
             self._moved_away.add((server_id, shard.key))
             targets.append(f"{describe_shard(shard)} -> {target}")
         self._timed_out.add(server_id)
@@ -756,7 +791,7 @@ class CoordinatorState:
                 self._creation_failures.pop(spec.name, None)
                 for shard in self._map.shards[spec.name]:
                     if self._restorable(shard):  # a checkpoint holds it: training resumes
-                        self._restore.setdefault(shard.server_id, set()).add(shard.key)
+                        self._mark_for_restore(shard.server_id, [shard.key])
             return self._map, [spec.name for spec in new]
 
     def record_creation_failure(self, variable: str, message: str) -> None:
