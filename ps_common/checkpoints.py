@@ -8,6 +8,9 @@ ones). No grpc here.
         ps-0.ledger.json      the server's exactly-once ledger, cut together with its values
         ...
         manifest.json         variables, shards (row ranges, files), checksums, job progress
+        carried.ckpt-000000000003.ps-0.safetensors
+                              a file of an older checkpoint (a hard link), for variables it
+                              held that the job has not declared since (carry_forward)
 
 A dynamic table's shard has the slots "ids" and "held" too (its pool's bookkeeping), and
 "last_use_age" and "last_use_ago" (seconds and requests from each pool row's last use to the
@@ -32,7 +35,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -502,6 +505,41 @@ def prune(root: Path, keep: int, protect: str | Iterable[str] = ()) -> list[str]
         shutil.rmtree(root / cid, ignore_errors=True)
         removed.append(cid)
     return removed
+
+
+CARRIED_PREFIX = "carried."
+
+
+def carry_forward(previous: Manifest, directory: Path, declared
+                  ) -> tuple[dict[str, VariableSpec], list[ShardRecord], dict[str, FileRecord]]:
+    """(variables, shards, files) that a new checkpoint in `directory` takes over from
+    `previous`: the variables it holds that are not `declared` now (a resumed job that
+    declares them later restores their trained values from the newest checkpoint, not
+    from initial values), their files linked into `directory` (copied where the file
+    system has no hard links) under names that say where they came from."""
+    variables = {name: spec for name, spec in previous.variables.items()
+                 if name not in declared}
+    records = [r for r in previous.shards if r.variable in variables]
+    names: dict[str, str] = {}
+    files: dict[str, FileRecord] = {}
+    for record in records:
+        if record.file in names:
+            continue
+        name = (record.file if record.file.startswith(CARRIED_PREFIX)
+                else f"{CARRIED_PREFIX}{previous.id}.{record.file}")
+        source, target = previous.directory / record.file, directory / name
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copyfile(source, target)
+            with open(target, "rb+") as copied:
+                os.fsync(copied.fileno())
+        names[record.file] = name
+        files[name] = FileRecord(name, previous.files[record.file].bytes,
+                                 previous.files[record.file].sha256)
+    if files:
+        fsync_directory(directory)
+    return variables, [replace(r, file=names[r.file]) for r in records], files
 
 
 def write_manifest(manifest: Manifest) -> None:

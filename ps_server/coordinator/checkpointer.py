@@ -20,7 +20,7 @@ from typing import Callable
 
 from ps_common.checkpoints import (
     CheckpointError, FileRecord, Manifest, ShardRecord, checkpoint_ids, new_checkpoint_dir,
-    newest_good, prune, verify, write_manifest,
+    carry_forward, newest_good, prune, verify, write_manifest,
 )
 from ps_common.errors import CheckpointFailed, NotReady, PSError
 
@@ -192,9 +192,20 @@ class Checkpointer:
                     shards.append(ShardRecord(name, shard.index, shard.row_start,
                                               shard.row_stop, shard.server_id, file, updates,
                                               steps, shard.stride))
+            variables = dict(shard_map.variables)
+            previous = self.catalog.current()
+            if previous is not None and previous.directory is not None:
+                try:
+                    carried, carried_shards, carried_files = carry_forward(
+                        previous, directory, shard_map.variables)
+                except OSError as error:
+                    raise _unwritable(directory, error) from error
+                variables.update(carried)
+                shards += carried_shards
+                files.update(carried_files)
             manifest = Manifest(
                 id=directory.name, step=step, epoch=shard_map.epoch, created_unix_s=time.time(),
-                variables=dict(shard_map.variables), shards=shards, files=files,
+                variables=variables, shards=shards, files=files,
                 ledgers={sid: f"{sid}.ledger.json" for sid in holders}, job=job,
                 directory=directory)
             try:
