@@ -123,9 +123,10 @@ class Task:
     holder: tuple[str, int] | None = None
     attempts: int = 0
     metrics: Metrics | None = None
-    # Who held it when a predecessor coordinator's state was saved: that holder may have
-    # finished it since (its report went to the predecessor), so its report is still taken.
-    resumed_holder: tuple[str, int] | None = None
+    # Who held it when a predecessor coordinator's state was saved (each predecessor's, over
+    # several restarts): such a holder may have finished it since (its report went to the
+    # predecessor), so its report is still taken.
+    resumed_holders: tuple[tuple[str, int], ...] = ()
     # An evaluation: its holder has read the parameters it measures (the next epoch may
     # have started since).
     parameters_read: bool = False
@@ -646,8 +647,8 @@ class JobRunner:
                 raise NotFound(f"task {task_id} does not exist")
             if task.state is TaskState.DONE:
                 return True
-            if task.holder != (worker_id, incarnation) and task.resumed_holder == (
-                    worker_id, incarnation):
+            if task.holder != (worker_id, incarnation) and (
+                    worker_id, incarnation) in task.resumed_holders:
                 # Held since before the coordinator restarted, and done: the first report
                 # wins over a lease handed out again since.
                 if task.holder is not None:
@@ -698,7 +699,7 @@ class JobRunner:
                                       "reads an epoch's parameters")
             if task.state is TaskState.DONE:
                 return False
-            if (worker_id, incarnation) not in (task.holder, task.resumed_holder):
+            if (worker_id, incarnation) not in (task.holder, *task.resumed_holders):
                 raise FencedIncarnation(
                     f"worker {worker_id!r} incarnation {incarnation} does not hold task "
                     f"{task_id} (its lease was revoked); register again")
@@ -878,8 +879,7 @@ class JobRunner:
                            "index": t.index, "state": t.state.value,
                            "holder": list(t.holder) if t.holder else None,
                            # A coordinator restarted again still takes that holder's report.
-                           "resumed_holder": (list(t.resumed_holder) if t.resumed_holder
-                                              else None),
+                           "resumed_holders": [list(h) for h in t.resumed_holders],
                            "attempts": t.attempts,
                            "metrics": asdict(t.metrics) if t.metrics else None,
                            "parameters_read": t.parameters_read}
@@ -923,8 +923,8 @@ class JobRunner:
                                         tuple(t["holder"]) if t["holder"] else None,
                                         t["attempts"],
                                         Metrics(**t["metrics"]) if t["metrics"] else None,
-                                        resumed_holder=(tuple(t["resumed_holder"])
-                                                        if t.get("resumed_holder") else None),
+                                        resumed_holders=tuple(
+                                            tuple(h) for h in t.get("resumed_holders", ())),
                                         parameters_read=bool(t.get("parameters_read", False)))
                      for t in state["tasks"]}
             summaries = [EpochSummary(s["epoch"], Metrics(**s["train"]),
@@ -995,8 +995,9 @@ class JobRunner:
                         task.parameters_read = False
                         self._epoch_released = False
                 if task.state is TaskState.LEASED:
-                    task.state, task.resumed_holder, task.holder = (
-                        TaskState.PENDING, task.holder, None)
+                    if task.holder not in task.resumed_holders:
+                        task.resumed_holders += (task.holder,)
+                    task.state, task.holder = TaskState.PENDING, None
             for worker, _ in workers:
                 worker.leased = set()
             self._pending = [(t.kind != "evaluate", t.task_id) for t in tasks.values()

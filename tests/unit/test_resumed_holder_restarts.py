@@ -1,10 +1,10 @@
 """A task's holder from before a coordinator restart keeps its claim across a second restart.
 
 `JobRunner.restore_state` turns every LEASED task into PENDING and remembers its holder as
-`resumed_holder`, whose late report still counts (it may have finished the task with the
+a resumed holder, whose late report still counts (it may have finished the task with the
 predecessor). That claim is saved with the task: a coordinator restarted again before the
 holder reports (a crash loop) takes the report too, instead of fencing a worker that was
-never told its lease was revoked.
+never told its lease was revoked; also when the task was handed out again in between.
 
 Deterministic: FakeClocks, each "process" a new JobRunner restored from the previous one's
 export_state through JSON, as Coordinator._resume_job does from coordinator-state.json."""
@@ -51,6 +51,30 @@ def test_a_holder_from_before_two_restarts_still_has_its_report_taken():
 
     # w0 finishes the task it was handed and never lost: its report counts, as it would
     # have after one restart.
+    duplicate = third.complete("w0", w0, task.task_id, TRAIN)
+    assert duplicate is False
+    assert third.snapshot()["tasks_done"] == 1
+
+
+def test_a_holder_from_before_two_restarts_keeps_its_claim_when_the_task_was_leased_again():
+    first, _ = new_process(100)
+    w0 = first.register_worker("w0")
+    outcome, task = first.lease("w0", w0)
+    assert outcome == "task"
+    saved_by_first = first.export_state()  # the task leased to w0
+
+    # Restart 1: the task is pending again (w0 may have finished it) and goes to w1.
+    second, _ = new_process(10_000, saved_by_first)
+    assert second.heartbeat("w0", w0) == "continue"
+    w1 = second.register_worker("w1")
+    outcome, again = second.lease("w1", w1)
+    assert outcome == "task" and again.task_id == task.task_id
+    saved_by_second = second.export_state()
+
+    # Restart 2, before either reports. w0's report would have been taken by `second`
+    # (the first report wins); a second restart must not change that.
+    third, _ = new_process(20_000, saved_by_second)
+    assert third.heartbeat("w0", w0) == "continue"
     duplicate = third.complete("w0", w0, task.task_id, TRAIN)
     assert duplicate is False
     assert third.snapshot()["tasks_done"] == 1
