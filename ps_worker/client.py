@@ -1119,6 +1119,12 @@ class PSClient:
         empty = set(shard_map.servers) - {p.shard.server_id for p in pieces} \
             if in_steps else set()
 
+        # The step each server's part of this push carried there: pieces relocated to a
+        # server after its part went (their old server dropped them) go as that step, so
+        # they count in it (ssp), or are dropped as late (sync: it was applied without them),
+        # and never count as another step of this client's.
+        sent_steps: dict[str, int] = {}
+
         def sequence_for(server_id: str, group: list[_Piece]) -> tuple[int, bool]:
             """The group's sequence, and whether this is its first send."""
             key = (server_id, tuple(p.shard.key for p in group))
@@ -1134,25 +1140,27 @@ class PSClient:
                 for piece in pieces:
                     by_server.setdefault(piece.shard.server_id, []).append(piece)
                 failed: list[_Piece] = []
-                failed_empty: set[str] = set()
+                failed_servers: set[str] = set()
                 errors: list[RemoteError] = []
 
                 def push_one(server_id: str, group: list[_Piece], shard_map=shard_map,
                              pulls=pulls or {}):
                     try:
-                        self._push_to(shard_map, server_id, group,
-                                      *sequence_for(server_id, group), stepped=stepped,
-                                      pull=pulls.get(server_id))
+                        step = self._push_to(shard_map, server_id, group,
+                                             *sequence_for(server_id, group), stepped=stepped,
+                                             pull=pulls.get(server_id),
+                                             at_step=sent_steps.get(server_id))
+                        if step is not None:
+                            sent_steps.setdefault(server_id, step)
                     except RemoteError as error:
                         if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
                             raise
                         failed.extend(group)
-                        if not group:
-                            failed_empty.add(server_id)
+                        failed_servers.add(server_id)
                         errors.append(error)
 
                 self._run_groups(by_server, push_one)
-                if not failed and not failed_empty:
+                if not failed_servers:
                     return
                 # Parts refused as stale, or whose server stayed unreachable, are sent again
                 # if the coordinator's map has moved on (e.g. the server is at a new address).
@@ -1160,11 +1168,13 @@ class PSClient:
                     raise errors[0]
                 shard_map = self.shard_map
                 pieces = [self._relocate(shard_map, p) for p in failed]
-                # An empty push goes again to its server if it is still in the map (and
-                # has no relocated pieces, which carry the step there).
-                empty = {server_id for server_id in failed_empty
+                # In the steps, a server whose part failed (refused whole: its step there did
+                # not count) gets an empty push again if it is still in the map and no
+                # relocated pieces carry the step there: else the others' step there waits
+                # for this client for good (its pieces moved to another server, say).
+                empty = {server_id for server_id in failed_servers
                          if server_id in shard_map.servers} \
-                    - {p.shard.server_id for p in pieces}
+                    - {p.shard.server_id for p in pieces} if in_steps else set()
                 # Left to one server's check, they may now go to several: checked here
                 # first. None of them was applied (a server refuses non-finite ones).
                 for piece in pieces:
@@ -1471,13 +1481,18 @@ class PSClient:
 
     def _push_to(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
                  sequence: int, first_send: bool, stepped: bool = False,
-                 pull: "_PullAlong | None" = None) -> None:
+                 pull: "_PullAlong | None" = None, at_step: int | None = None) -> int | None:
         """Push `pieces` to one server under `sequence`. `first_send`: this sequence has
         never gone out before (not even in an attempt whose answer was lost), so a
         'duplicate' answer means another client shares this identity: an error.
-        `stepped`: a push of a client that joined steps carries its step there, and waits
-        as the mode says (a server that no longer knows it is joined again, once)."""
+        `stepped`: a push of a client that joined steps carries its step there (`at_step`
+        if given), and waits as the mode says (a server that no longer knows it is joined
+        again, once). Returns the step it carried (None: none)."""
         step = self._step_at(shard_map, server_id) if stepped else None
+        if step is not None and at_step is not None:
+            step = at_step
+        if step is None and not pieces:  # an empty push carries a step, and this client left
+            return None
         try:
             self._push_once(shard_map, server_id, pieces, sequence, first_send, step, pull)
         except RemoteError as error:
@@ -1494,8 +1509,11 @@ class PSClient:
             with self._lock:
                 self._steps.pop(server_id, None)
             step = self._step_at(shard_map, server_id)  # the server restarted, say
+            if step is None and not pieces:
+                return None
             # This sequence has gone out: a 'duplicate' answer now is its own.
             self._push_once(shard_map, server_id, pieces, sequence, False, step, pull)
+        return step
 
     def _push_once(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],
                    sequence: int, first_send: bool, step: int | None,
