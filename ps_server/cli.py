@@ -12,7 +12,7 @@ from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_metrics_argument, add_shared_memory_argument, bind_of, fail,
     die_with_parent, parse_address, parse_bytes, parse_seconds, parse_seconds_or_zero,
-    StopSignals, run_until_signal, setup_logging, tf_config_task,
+    StopSignals, end_after_stop, run_until_signal, setup_logging, tf_config_task,
 )
 from ps_common.malloc import tune_malloc
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, BindError
@@ -151,7 +151,7 @@ def server_main(argv: list[str] | None = None) -> int:
 
     code = run_until_signal(server.stop, server.wait, announce, signals)
     log.info("stopped")
-    return code
+    return end_after_stop(code)
 
 
 if __name__ == "__main__":

@@ -70,8 +70,16 @@ class Stream:
         self.deadline = self._limiter._clock.monotonic() + self._limiter.idle_timeout_s
 
     def disarm(self) -> None:
-        """The wait is over: the peer delivered (or took) a message."""
-        self.deadline = math.inf
+        """The wait is over: the peer delivered (or took) a message. Raises NotReady when
+        the watchdog has cut the stream already (it is being cancelled): the handler must
+        not go on to apply a push whose call ends CANCELLED. Under the watchdog's lock, so
+        that a stream is either cut or disarmed, never both."""
+        with self._limiter._lock:
+            self.deadline = math.inf
+            if self.cut:
+                raise NotReady(
+                    f"{self.method} from {self.peer} was cancelled: its peer was silent for "
+                    f"{self._limiter.idle_timeout_s:g} s (--stream-idle-timeout)")
 
     def requests(self, iterator: Iterator[T]) -> Iterator[T]:
         """`iterator` (a request stream), armed while each next message is awaited."""

@@ -14,7 +14,7 @@ from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_metrics_argument, add_server_loss_arguments,
     add_shared_memory_argument, bind_of, die_with_parent, fail, parse_bytes, parse_seconds,
-    parse_seconds_or_zero, run_until_signal,
+    end_after_stop, parse_seconds_or_zero, run_until_signal,
     setup_logging, tf_config_task,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("stopped")
     if coordinator.runner.failure:
         log.error("the job failed: %s", coordinator.runner.failure)
-        return 1
-    return code
+        code = 1
+    return end_after_stop(code)
 
 
 if __name__ == "__main__":

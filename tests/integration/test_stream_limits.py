@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_common.clock import FakeClock
-from ps_common.errors import ResourceExhausted
+from ps_common.errors import NotReady, ResourceExhausted
 from ps_common.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import parameter_server_pb2_grpc as ps_grpc
@@ -368,11 +368,13 @@ def test_request_stream_is_armed_only_while_the_peer_is_awaited():
             yield wait
 
     with limiter.admit(context, "Push") as stream:
-        for _ in stream.requests(peer()):
-            clock.advance(60.0)  # the server's own work between chunks never counts
-            limiter.sweep()
-            if context.cancelled:
-                break
+        # The message that comes after the cut is not handed on: the call is being
+        # cancelled, and its handler must not act on it.
+        with pytest.raises(NotReady, match="--stream-idle-timeout"):
+            for _ in stream.requests(peer()):
+                clock.advance(60.0)  # the server's own work between chunks never counts
+                limiter.sweep()
+                assert not context.cancelled
     assert context.cancelled == 1  # at the 11 s wait, not before
 
 
