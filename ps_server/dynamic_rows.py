@@ -40,12 +40,15 @@ class DynamicRows:
     """`make_rows(ids)` gives the initial rows of new ids, `make_slots(n)` the optimizer
     slots of n new rows (a dict of arrays with n rows). `capacity` 0 means unlimited,
     `ttl_s` 0 means never expire; `clock()` is monotonic seconds. `admit(nbytes)`, called
-    before the pool grows, raises to refuse the growth (a server's memory budget)."""
+    before the pool grows, raises to refuse the growth (a server's memory budget), else may
+    return a callable that the pool calls once the grown arrays are in place (the admission
+    holds room for them until then)."""
 
     def __init__(self, dim: int, dtype: str, *, capacity: int, ttl_s: float,
                  make_rows: Callable[[np.ndarray], np.ndarray],
                  make_slots: Callable[[int], dict[str, np.ndarray]],
-                 clock: Callable[[], float], admit: Callable[[int], None] | None = None):
+                 clock: Callable[[], float],
+                 admit: Callable[[int], Callable[[], None] | None] | None = None):
         self.dim = dim
         self.dtype = np.dtype(dtype)
         self.capacity = capacity
@@ -53,7 +56,7 @@ class DynamicRows:
         self._make_rows = make_rows
         self._make_slots = make_slots
         self._clock = clock
-        self._admit = admit  # admit(bytes) raises when the pool may not grow by that much
+        self._admit = admit  # raises when the pool may not grow by that much
         self.values = np.empty((0, dim), self.dtype)
         self.slots: dict[str, np.ndarray] = {**make_slots(0), IDS_SLOT: np.empty(0, np.int64),
                                              HELD_SLOT: np.empty(0, np.uint8)}
@@ -216,8 +219,9 @@ class DynamicRows:
         size = max(at_least, 2 * old, MIN_POOL_ROWS)
         if self.capacity:
             size = max(min(size, self.capacity), at_least)
+        admitted = None
         if self._admit is not None:
-            self._admit((size - old) * (self.row_bytes + ROW_OVERHEAD_BYTES))
+            admitted = self._admit((size - old) * (self.row_bytes + ROW_OVERHEAD_BYTES))
 
         def grown(array: np.ndarray, fill) -> np.ndarray:
             bigger = np.empty((size, *array.shape[1:]), array.dtype)
@@ -225,10 +229,14 @@ class DynamicRows:
             bigger[old:] = fill
             return bigger
 
-        self.values = grown(self.values, 0)
-        self.slots = {name: grown(array, 0) for name, array in self.slots.items()}
-        self._last_tick = grown(self._last_tick, 0)
-        self._last_time = grown(self._last_time, 0.0)
+        try:
+            self.values = grown(self.values, 0)
+            self.slots = {name: grown(array, 0) for name, array in self.slots.items()}
+            self._last_tick = grown(self._last_tick, 0)
+            self._last_time = grown(self._last_time, 0.0)
+        finally:
+            if admitted is not None:
+                admitted()
         # Reversed, so that rows are taken from the front of the new space first.
         self._free.extend(range(size - 1, old - 1, -1))
 

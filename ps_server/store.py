@@ -233,6 +233,8 @@ class ShardStore:
         self.placement_version = 0
         self._lock = threading.Lock()
         self._assign_lock = threading.Lock()
+        self._budget_lock = threading.Lock()
+        self._growing = 0  # bytes of dynamic-table growth admitted and not yet made
         # Pushes hold it shared from applying to recording in the ledger; a checkpoint's cut
         # holds it exclusive (snapshots.py).
         self.gate = UpdateGate()
@@ -641,27 +643,41 @@ class ShardStore:
         held.sync_pool()
         return local
 
-    def _admit(self, nbytes: int, *, capped: bool) -> None:
+    def _admit(self, nbytes: int, *, capped: bool) -> Callable[[], None] | None:
         """A dynamic table's pool may grow by `nbytes` only within the memory budget.
         A capped table's pool never grows past its share of the capacity (DynamicRows._grow),
         and placement charged this server's budget for all of that share: its growth is
         always admitted. An uncapped table's growth counts every capped one at that charge,
-        so that it cannot take the room reserved for rows a capped table has yet to make."""
+        so that it cannot take the room reserved for rows a capped table has yet to make.
+        Growths of other tables run under their own shards' locks: an admitted growth holds
+        its room (`_growing`) until its arrays are in place (the callable returned), so that
+        two at once are never both admitted into room for one."""
         if not self.memory_budget or capped:
-            return
-        if self._budget_held() + nbytes > self.memory_budget:
-            raise ResourceExhausted(
-                f"this server's memory budget ({self.memory_budget} bytes) has no room for an "
-                f"uncapped dynamic table to grow by {nbytes} bytes beside what the server "
-                "holds and the capacity reserved for its capped tables; nothing was applied "
-                "(declare the table with a capacity, add servers or raise --memory-budget)")
+            return None
+        with self._budget_lock:
+            if self._budget_held() + self._growing + nbytes > self.memory_budget:
+                raise ResourceExhausted(
+                    f"this server's memory budget ({self.memory_budget} bytes) has no room for "
+                    f"an uncapped dynamic table to grow by {nbytes} bytes beside what the "
+                    "server holds and the capacity reserved for its capped tables; nothing was "
+                    "applied (declare the table with a capacity, add servers or raise "
+                    "--memory-budget)")
+            self._growing += nbytes
+
+        def grown() -> None:
+            with self._budget_lock:
+                self._growing -= nbytes
+        return grown
 
     def _budget_held(self) -> int:
         """Bytes held (as `nbytes`), a capped dynamic table's shard counted at no less than
         placement's charge for its whole share of the capacity."""
         total = 0
         for held in self.held():
-            size = held.values.nbytes + sum(s.nbytes for s in held.state.slots.values())
+            # A pool's own arrays: a growth replaces them before the shard is synced to them.
+            values, slots = ((held.dynamic.values, held.dynamic.slots) if held.dynamic is not None
+                             else (held.values, held.state.slots))
+            size = values.nbytes + sum(s.nbytes for s in slots.values())
             if held.dynamic is not None and held.dynamic.capacity:
                 size = max(size, footprint(held.spec, held.dynamic.capacity))
             total += size

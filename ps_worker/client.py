@@ -1275,7 +1275,9 @@ class PSClient:
         Join before the first pull whose values a step uses. In sync, push a step's
         gradients in one `push`: a second push of the same step counts only if it arrives
         before the step is applied (else it is dropped and counted as stale). `push_rows`
-        in sync is refused (sync averages whole variables); in ssp:K it carries no step.
+        in sync is refused (sync averages whole variables); in ssp:K it carries no step: push
+        a step's rows first and wait for them, then `push` (empty if need be) to finish the
+        step, so that the others' pulls after it see them (as ps-worker does).
         Raises ValueError for a bad mode, RemoteError FAILED_PRECONDITION when other
         clients take part in another mode."""
         parsed = parse_mode(mode, what="join_steps mode")

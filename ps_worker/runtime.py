@@ -317,16 +317,23 @@ class Trainer:
             waiting = time.monotonic() if observer is not None else 0.0
             later = step + ahead
             # push_async and push_pull_async wait while the window of pushes is full.
-            pushes = []
-            if dense_grads:
-                if later < len(batches):
+            row_pushes = [ps.push_rows_async(name, pulled.ids[name], host_grads[name])
+                          for name in self.tables]
+            pushes = list(row_pushes)
+            if stepped and row_pushes:
+                # Row pushes carry no step: they land before the push that finishes this
+                # step, so that the others' pulls after it see them as the mode promises.
+                # A model of tables alone finishes its step with a push of no gradients.
+                futures_wait(row_pushes)
+                for push in row_pushes:
+                    push.result()
+            if dense_grads or (stepped and row_pushes):
+                if later < len(batches) and dense_grads:
                     values[later] = ps.push_pull_async(dense_grads, self.names,
                                                        out=self._buffers(later % 2))
                     pushes.append(values[later])
                 else:
                     pushes.append(ps.push_async(dense_grads))
-            pushes += [ps.push_rows_async(name, pulled.ids[name], host_grads[name])
-                       for name in self.tables]
             self._track_slot(step, pushes)
             if stepped:
                 futures_wait(pushes)

@@ -439,3 +439,16 @@ def test_a_failed_push_is_raised_when_its_values_are_needed_after_a_flush() -> N
     # Step 1's push failed; step 3, which needed its values, flushed and raised.
     assert [c[0] for c in ps.calls] == ["pull", "pull", "push_pull", "push_pull",
                                         "push_pull", "flush"]
+
+
+def test_in_ssp_a_steps_row_gradients_land_before_the_push_that_finishes_it() -> None:
+    """Row pushes carry no step: the trainer has them applied before the stepped push, so
+    the others' pulls after this step (which that push lets them take) see them."""
+    trainer, _ = ctr_trainer(mode="ssp:0")
+    ps = SteppedFakePS(lr=0.0)
+    ps.declare_many(trainer.specs)
+    trainer.train(ps, task(0), should_stop=lambda: False)
+    order = [method for method, _, _ in ps.calls if method in ("push_rows", "push_pull", "push")]
+    steps = order.count("push_rows")
+    assert steps > 1
+    assert order == ["push_rows", "push_pull"] * (steps - 1) + ["push_rows", "push"]
