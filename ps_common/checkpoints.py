@@ -341,11 +341,31 @@ def load_manifest(directory: Path) -> Manifest:
 
 
 def verify(directory: Path) -> Manifest:
-    """The manifest, once every file it lists matches its size and checksum."""
+    """The manifest, once every file it lists matches its size and checksum. A carried file
+    that does not (shared with the checkpoint it came from: see carry_forward) takes only
+    the variables carried in it out of the manifest, not the checkpoint's own."""
     manifest = load_manifest(directory)
-    for record in manifest.files.values():
-        verify_file(directory, record)
+    for record in list(manifest.files.values()):
+        try:
+            verify_file(directory, record)
+        except CheckpointError as error:
+            if not record.name.startswith(CARRIED_PREFIX):
+                raise
+            _drop_carried(manifest, record.name, str(error))
     return manifest
+
+
+def _drop_carried(manifest: Manifest, file: str, why: str) -> None:
+    """Take the variables carried in `file` out of `manifest` (in memory)."""
+    lost = {r.variable for r in manifest.shards if r.file == file}
+    log.error("checkpoint %s: %s; the variables carried in it (%s) are not restored from it",
+              manifest.id, why, ", ".join(sorted(lost)))
+    for name in lost:
+        manifest.variables.pop(name, None)
+    manifest.shards = [r for r in manifest.shards if r.variable not in lost]
+    used = {r.file for r in manifest.shards}
+    manifest.files = {n: f for n, f in manifest.files.items()
+                      if n in used or not n.startswith(CARRIED_PREFIX)}
 
 
 class RowSource:
@@ -516,9 +536,23 @@ def carry_forward(previous: Manifest, directory: Path, declared
     `previous`: the variables it holds that are not `declared` now (a resumed job that
     declares them later restores their trained values from the newest checkpoint, not
     from initial values), their files linked into `directory` (copied where the file
-    system has no hard links) under names that say where they came from."""
+    system has no hard links) under names that say where they came from. Their files are
+    verified first: a file found altered is not carried."""
     variables = {name: spec for name, spec in previous.variables.items()
                  if name not in declared}
+    # A file that no longer matches its checksum is not carried (nor what it holds): each
+    # checkpoint's files were checked when it was written or found.
+    bad = set()
+    for file in {r.file for r in previous.shards if r.variable in variables}:
+        try:
+            verify_file(previous.directory, previous.files[file])
+        except CheckpointError as error:
+            log.error("checkpoint %s: %s; what it holds is not carried into %s", previous.id,
+                      error, directory.name)
+            bad.add(file)
+    for record in previous.shards:
+        if record.file in bad:
+            variables.pop(record.variable, None)
     records = [r for r in previous.shards if r.variable in variables]
     names: dict[str, str] = {}
     files: dict[str, FileRecord] = {}

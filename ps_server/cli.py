@@ -151,8 +151,15 @@ def server_main(argv: list[str] | None = None) -> int:
 
     code = run_until_signal(server.stop, server.wait, announce, signals)
     log.info("stopped")
-    return end_after_stop(code)
+    return code
+
+
+def run() -> None:
+    """The ps-server command: `server_main`, and the process ends once it returns, past
+    calls still running (ps_common.cli.end_after_stop). In-process callers use
+    `server_main`, which returns."""
+    sys.exit(end_after_stop(server_main()))
 
 
 if __name__ == "__main__":
-    sys.exit(server_main())
+    run()

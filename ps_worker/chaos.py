@@ -141,11 +141,13 @@ def missing_evidence(kill: Kill, status: dict) -> str | None:
         if status["generation"] == kill.before["generation"]:
             return "the coordinator answering is the one that was killed"
         # A restarted coordinator lists in `servers` only those that registered with it; the
-        # rest of the shard map it recovered are in `awaiting_servers` until they do.
-        alive = {s["id"] for s in status["servers"] if s["state"] == "alive"}
+        # rest of the shard map it recovered are in `awaiting_servers` until they do. One
+        # told the job is over ("done") registered with it too: a job that ends soon after
+        # the restart may end before a status shows it alive.
+        back = {s["id"] for s in status["servers"] if s["state"] in ("alive", "done")}
         away = sorted(set(status.get("awaiting_servers", []))
-                      | ({s["id"] for s in kill.before["servers"]} - alive)
-                      | {s["id"] for s in status["servers"] if s["state"] != "alive"})
+                      | ({s["id"] for s in kill.before["servers"]} - back)
+                      | {s["id"] for s in status["servers"] if s["id"] not in back})
         return f"server(s) {away} not registered again" if away else None
     row, earlier = member_row(status, target), member_row(kill.before, target)
     if row is None or earlier is None:

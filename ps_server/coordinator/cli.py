@@ -182,8 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     if coordinator.runner.failure:
         log.error("the job failed: %s", coordinator.runner.failure)
         code = 1
-    return end_after_stop(code)
+    return code
+
+
+def run() -> None:
+    """The ps-coordinator command: `main`, and the process ends once it returns, past calls
+    still running (ps_common.cli.end_after_stop). In-process callers use `main`."""
+    sys.exit(end_after_stop(main()))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

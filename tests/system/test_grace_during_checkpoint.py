@@ -45,8 +45,9 @@ def slow_write(self, data):
             time.sleep(0.05)
     return real_write(self, data)
 checkpoints._HashingFile.write = slow_write
-from ps_server.cli import server_main
-sys.exit(server_main(sys.argv[3:]))
+from ps_server import cli
+sys.argv[1:] = sys.argv[3:]
+cli.run()  # what the ps-server command runs
 """ % {"block": BLOCK_S}
 
 

@@ -56,3 +56,19 @@ def test_a_new_coordinator_with_every_server_registered_again_is_recovered():
     after = _status(generation=8, steps=312, servers=[_server("ps-0"), _server("ps-1")],
                     awaiting=[])
     assert missing_evidence(_coordinator_killed(), after) is None
+
+
+def test_a_new_coordinator_whose_servers_were_told_the_job_is_over_is_recovered():
+    """The job ended soon after the restart: the servers registered with the new coordinator
+    and were told the job is over before any status showed them alive."""
+    after = _status(generation=8, steps=400, servers=[dict(_server("ps-0"), state="done"),
+                                                      dict(_server("ps-1"), state="done")],
+                    awaiting=[])
+    after["job"]["state"] = "done"
+    assert missing_evidence(_coordinator_killed(), after) is None
+
+
+def test_a_server_the_new_coordinator_lost_is_not_recovered():
+    after = _status(generation=8, steps=312,
+                    servers=[_server("ps-0"), dict(_server("ps-1"), state="dead")], awaiting=[])
+    assert missing_evidence(_coordinator_killed(), after) is not None
