@@ -37,12 +37,14 @@ class ChaosError(RuntimeError):
 
 
 class Restartable(Protocol):
-    """A child process that a supervisor restarts: `kill()` SIGKILLs and reaps it (bounded);
-    `restart()` starts it again with the same command line, on the same address."""
+    """A child process that a supervisor restarts: `kill()` SIGKILLs and reaps it (bounded),
+    and says whether the SIGKILL ended it (False: it had exited by itself, its own exit
+    status kept); `restart()` starts it again with the same command line, on the same
+    address."""
 
     name: str
 
-    def kill(self) -> None: ...
+    def kill(self) -> bool: ...
 
     def restart(self) -> None: ...
 
@@ -186,6 +188,7 @@ class ChaosMonkey:
     # The job's (tasks done, steps) when last seen to change, and when that was.
     _progress: tuple[int, int] | None = field(default=None, init=False)
     _progress_at: float = field(default=0.0, init=False)
+    _exited: set[str] = field(default_factory=set, init=False)  # found exited, not killed
 
     @property
     def _recovering(self) -> Kill | None:
@@ -233,13 +236,21 @@ class ChaosMonkey:
                              f"({tasks} task(s) done, {steps} step(s))", now - last.killed_at)
 
     def _kill(self, target: Target, status: dict) -> None:
+        if target.child in self._exited:
+            return
         member = self.members[target.child]
-        kill = Kill(target, at_step=status["job"]["steps"], killed_at=self.clock(),
-                    before=status)
+        at_step = status["job"]["steps"]
+        if not member.kill():
+            # It exited after the status that showed it alive was read (told the job is
+            # over, or it failed): nothing was killed, and its own exit status stands.
+            self._exited.add(target.child)
+            self.note(f"chaos: {target.child} exited by itself before its kill at step "
+                      f"{at_step}; not killed")
+            return
+        kill = Kill(target, at_step=at_step, killed_at=self.clock(), before=status)
         self.kills.append(kill)
         self.missing = NO_ANSWER_YET
         self.note(f"chaos: {signal.Signals.SIGKILL.name} {target.child} at step {kill.at_step}")
-        member.kill()
         member.restart()
         kill.restarted = True
 

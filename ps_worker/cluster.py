@@ -142,8 +142,10 @@ class Child:
         raise ClusterError(f"{self.name} was not ready within {READY_TIMEOUT_S:g} s; "
                            f"see {self.log_path}")
 
-    def kill(self) -> None:
-        """SIGKILL, and reap it (a killed process exits at once; bounded all the same)."""
+    def kill(self) -> bool:
+        """SIGKILL, and reap it (a killed process exits at once; bounded all the same).
+        True if the SIGKILL ended it; False if it had exited by itself (its exit status is
+        its own, even when it exited between the check and the signal)."""
         if self.process.poll() is None:
             self.process.kill()
             try:
@@ -152,6 +154,7 @@ class Child:
                 raise ClusterError(f"{self.name} (pid {self.process.pid}) did not exit within "
                                    f"{KILL_WAIT_S:g} s of SIGKILL") from None
         self._log.close()
+        return self.process.returncode == -signal.SIGKILL
 
     def restart(self) -> None:
         """Start it again (it must have exited); a daemon is ready on its old address when

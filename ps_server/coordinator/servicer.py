@@ -9,7 +9,7 @@ from ps_proto.v1 import coordinator_pb2 as pb
 from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from ps_server.coordinator.assigner import Assigner
 from ps_server.coordinator.identity import ClientRegistry, Incarnations, RetiredLog
-from ps_server.coordinator.jobs import JobRunner, Metrics, StepReport
+from ps_server.coordinator.jobs import JobRunner, JobState, Metrics, StepReport
 from ps_server.coordinator.placement import server_loads
 from ps_server.coordinator.state import CoordinatorState, HeldReport, ServerReport
 from ps_server.coordinator.status_watchers import StatusWatchers
@@ -216,7 +216,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         with translate_errors(context, "GetStatus"):
             snap = self._runner.snapshot()
             if request.watching and self._watchers is not None:
-                self._watchers.read(context.peer(), self._runner.over)
+                # Whether this reply shows the outcome: from the snapshot it is built from
+                # (the job may end right after it; then this watcher is waited for still).
+                self._watchers.read(context.peer(), snap["state"] in (
+                    JobState.DONE, JobState.FAILED))
             shard_map = self._state.shard_map
             loads = server_loads(shard_map)
             servers = [pb.ServerStatus(

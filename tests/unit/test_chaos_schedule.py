@@ -27,8 +27,9 @@ class FakeMember:
     def __init__(self, name: str, events: list[str]):
         self.name, self.events = name, events
 
-    def kill(self) -> None:
+    def kill(self) -> bool:
         self.events.append(f"kill {self.name}")
+        return True
 
     def restart(self) -> None:
         self.events.append(f"restart {self.name}")
