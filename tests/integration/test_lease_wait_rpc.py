@@ -185,13 +185,18 @@ def test_a_lease_whose_answer_was_lost_gets_the_same_task_on_its_retry():
         assert row["leased_tasks"] == [task.task_id]
 
 
-def test_a_coordinator_whose_job_is_over_waits_for_its_status_watcher_to_read_it():
-    """ps-ctl status --watch: the coordinator exits soon after its job, once its members are
-    told, but not before a caller watching the status has read the outcome."""
+def one_task_coordinator() -> Coordinator:
+    """A started coordinator whose job is one task."""
     config = CoordinatorConfig(job=JobSpec(epochs=1, tasks_per_epoch=1, evaluate_every=0),
                                heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0,
                                grace_s=1.0, recovery_grace_s=0.0)
-    coordinator = Coordinator(config).start()
+    return Coordinator(config).start()
+
+
+def test_a_coordinator_whose_job_is_over_waits_for_its_status_watcher_to_read_it():
+    """ps-ctl status --watch: the coordinator exits soon after its job, once its members are
+    told, but not before a caller watching the status has read the outcome."""
+    coordinator = one_task_coordinator()
     try:
         with CoordinatorClient(coordinator.address, give_up_after_s=5) as worker, \
                 CoordinatorClient(coordinator.address, give_up_after_s=5) as watcher:
@@ -204,5 +209,53 @@ def test_a_coordinator_whose_job_is_over_waits_for_its_status_watcher_to_read_it
             assert worker.lease("w0", w0) == ("done", None)  # every member told
             assert watcher.status(watching=True)["job"]["state"] == "done"
         assert coordinator.wait(BOUND_S)  # then it exits
+    finally:
+        coordinator.stop(grace_s=0.5)
+
+
+def test_a_watcher_whose_status_said_running_is_waited_for_when_the_job_ends_meanwhile():
+    """The job ends between GetStatus's snapshot (running) and the watcher's booking: the
+    watcher was sent "running", so the coordinator waits for it still (forced by wrapping
+    JobRunner.snapshot)."""
+    coordinator = one_task_coordinator()
+    try:
+        with CoordinatorClient(coordinator.address, give_up_after_s=5) as worker, \
+                CoordinatorClient(coordinator.address, give_up_after_s=5) as watcher:
+            w0 = worker.register_worker("w0").incarnation
+            outcome, task = worker.lease("w0", w0)
+            assert outcome == "task"
+
+            runner = coordinator.runner
+            snapshot = runner.snapshot
+            armed = threading.Event()
+            fired = threading.Event()
+
+            def snapshot_then_the_job_ends():
+                snap = snapshot()
+                if armed.is_set() and not fired.is_set():
+                    fired.set()
+                    # The last task's report lands right after the watcher's snapshot.
+                    worker.complete("w0", w0, task.task_id, loss_sum=1.0, examples=4,
+                                    correct=2, steps=1, seconds=0.1)
+                return snap
+
+            runner.snapshot = snapshot_then_the_job_ends
+            armed.set()
+            try:
+                seen = watcher.status(watching=True)
+            finally:
+                armed.clear()
+                runner.snapshot = snapshot
+            assert fired.is_set()
+            assert seen["job"]["state"] == "running"  # what the watcher was shown
+            assert runner.over  # and the job is over now
+
+            # The watcher has not been shown the outcome: the coordinator must wait for it.
+            assert coordinator.watchers.waiting(), (
+                "the watcher was booked as having read the outcome, but its reply said "
+                "'running': the coordinator may exit before it reads 'done'")
+            assert worker.lease("w0", w0) == ("done", None)  # every member told
+            assert watcher.status(watching=True)["job"]["state"] == "done"
+        assert coordinator.wait(BOUND_S)
     finally:
         coordinator.stop(grace_s=0.5)
