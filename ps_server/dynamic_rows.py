@@ -41,14 +41,15 @@ class DynamicRows:
     slots of n new rows (a dict of arrays with n rows). `capacity` 0 means unlimited,
     `ttl_s` 0 means never expire; `clock()` is monotonic seconds. `admit(nbytes)`, called
     before the pool grows, raises to refuse the growth (a server's memory budget), else may
-    return a callable that the pool calls once the grown arrays are in place (the admission
-    holds room for them until then)."""
+    return `settle(install)`: the pool calls it with the function that installs the grown
+    arrays (None if making them failed), and it runs that as the admission's held room is
+    given back."""
 
     def __init__(self, dim: int, dtype: str, *, capacity: int, ttl_s: float,
                  make_rows: Callable[[np.ndarray], np.ndarray],
                  make_slots: Callable[[int], dict[str, np.ndarray]],
                  clock: Callable[[], float],
-                 admit: Callable[[int], Callable[[], None] | None] | None = None):
+                 admit: Callable[[int], Callable | None] | None = None):
         self.dim = dim
         self.dtype = np.dtype(dtype)
         self.capacity = capacity
@@ -229,16 +230,27 @@ class DynamicRows:
             bigger[old:] = fill
             return bigger
 
+        # Every array made before any is installed: a failure (out of memory) leaves the
+        # pool as it was, and the pool changes at one instant for the budget's count.
         try:
-            self.values = grown(self.values, 0)
-            self.slots = {name: grown(array, 0) for name, array in self.slots.items()}
-            self._last_tick = grown(self._last_tick, 0)
-            self._last_time = grown(self._last_time, 0.0)
-        finally:
+            values = grown(self.values, 0)
+            slots = {name: grown(array, 0) for name, array in self.slots.items()}
+            last_tick, last_time = grown(self._last_tick, 0), grown(self._last_time, 0.0)
+        except BaseException:
             if admitted is not None:
-                admitted()
-        # Reversed, so that rows are taken from the front of the new space first.
-        self._free.extend(range(size - 1, old - 1, -1))
+                admitted(None)
+            raise
+
+        def install() -> None:
+            self.values, self.slots = values, slots
+            self._last_tick, self._last_time = last_tick, last_time
+            # Reversed, so that rows are taken from the front of the new space first.
+            self._free.extend(range(size - 1, old - 1, -1))
+
+        if admitted is None:
+            install()
+        else:
+            admitted(install)
 
     # ---- checkpoints -------------------------------------------------------------------
 

@@ -643,15 +643,16 @@ class ShardStore:
         held.sync_pool()
         return local
 
-    def _admit(self, nbytes: int, *, capped: bool) -> Callable[[], None] | None:
+    def _admit(self, nbytes: int, *, capped: bool) -> Callable | None:
         """A dynamic table's pool may grow by `nbytes` only within the memory budget.
         A capped table's pool never grows past its share of the capacity (DynamicRows._grow),
         and placement charged this server's budget for all of that share: its growth is
         always admitted. An uncapped table's growth counts every capped one at that charge,
         so that it cannot take the room reserved for rows a capped table has yet to make.
         Growths of other tables run under their own shards' locks: an admitted growth holds
-        its room (`_growing`) until its arrays are in place (the callable returned), so that
-        two at once are never both admitted into room for one."""
+        its room (`_growing`) until its arrays are installed, which the returned `settle`
+        does under the same lock as it gives the room back (see DynamicRows), so that two at
+        once are never both admitted into room for one, nor one counted twice."""
         if not self.memory_budget or capped:
             return None
         with self._budget_lock:
@@ -664,10 +665,12 @@ class ShardStore:
                     "--memory-budget)")
             self._growing += nbytes
 
-        def grown() -> None:
+        def settle(install) -> None:
             with self._budget_lock:
+                if install is not None:
+                    install()
                 self._growing -= nbytes
-        return grown
+        return settle
 
     def _budget_held(self) -> int:
         """Bytes held (as `nbytes`), a capped dynamic table's shard counted at no less than

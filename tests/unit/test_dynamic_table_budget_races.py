@@ -1,7 +1,9 @@
 """Two uncapped dynamic tables on one server growing at once: each growth runs under its own
 shard's lock, and an admitted growth holds its room in the memory budget until its arrays
-are made, so a second one checked meanwhile is refused when the budget has room for one.
-The interleaving is forced by wrapping the first table's admission."""
+are made, so a second one checked meanwhile is refused when the budget has room for one, and
+admitted when it has room for both (the first is never counted twice). A growth that fails
+leaves its pool as it was. The interleavings are forced by wrapping the first table's
+admission or its slots."""
 
 from __future__ import annotations
 
@@ -65,10 +67,10 @@ def test_two_tables_growing_at_once_are_not_both_admitted_past_the_budget():
     admit = a.dynamic._admit
 
     def admit_then_let_b_in(nbytes: int):
-        grown = admit(nbytes)  # a's growth is admitted, and not made yet
+        settle = admit(nbytes)  # a's growth is admitted, and not made yet
         admitted.set()
         b_done.wait(WAIT_S)
-        return grown
+        return settle
 
     a.dynamic._admit = admit_then_let_b_in
     outcomes: dict[str, object] = {}
@@ -100,3 +102,78 @@ def test_two_tables_growing_at_once_are_not_both_admitted_past_the_budget():
     assert refused, (f"both tables grew to {len(a.values)} and {len(b.values)} pool rows: "
                      f"two growths of {growth} bytes each admitted beside "
                      f"{budget - growth} bytes held, within a budget of {budget} bytes")
+
+
+def budget_for_both():
+    """Two full tables, and a budget with room for both growing (one after the other)."""
+    store = two_full_tables()
+    a, b = store.lookup([("a", 0), ("b", 0)])
+    growth = MIN_POOL_ROWS * (a.dynamic.row_bytes + ROW_OVERHEAD_BYTES)
+    store.memory_budget = store.nbytes() + 2 * growth
+    return store, a, b
+
+
+def test_both_growths_fit_one_after_the_other():
+    store, a, b = budget_for_both()
+    push_rows(store, ("a", 0), NEW_IDS)
+    push_rows(store, ("b", 0), NEW_IDS)
+    assert len(a.values) == len(b.values) == 2 * MIN_POOL_ROWS
+
+
+class SlotsThatLetBIn(dict):
+    """a's slots: when a's growth reads them to make their grown copies (admitted, not yet
+    installed), b's push runs, as another thread's would in the middle of a's growth."""
+
+    def __init__(self, slots, run_b):
+        super().__init__(slots)
+        self.run_b = run_b
+
+    def items(self):
+        self.run_b()
+        return super().items()
+
+
+def test_a_growth_half_made_is_not_counted_twice():
+    store, a, b = budget_for_both()
+    outcome: dict[str, object] = {}
+
+    def run_b():
+        if "b" in outcome or not store._growing:
+            return  # only once, and only in the middle of a's growth
+        try:
+            push_rows(store, ("b", 0), NEW_IDS)
+            outcome["b"] = "applied"
+        except ResourceExhausted as error:
+            outcome["b"] = error
+
+    a.dynamic.slots = SlotsThatLetBIn(a.dynamic.slots, run_b)
+    push_rows(store, ("a", 0), NEW_IDS)
+    assert len(a.values) == 2 * MIN_POOL_ROWS
+    assert "b" in outcome, "the hook did not run in the middle of a's growth"
+    assert outcome["b"] == "applied", (
+        f"b's growth, which fits beside a's, was refused while a's was being made: "
+        f"{outcome['b']}")
+    assert store.nbytes() <= store.memory_budget
+
+
+class SlotsOutOfMemory(dict):
+    """a's slots: making their grown copies fails (np.empty raising MemoryError), after a's
+    grown values array was made."""
+
+    def items(self):
+        raise MemoryError("injected: no memory for the grown slots")
+
+
+def test_a_growth_that_fails_after_admission_leaves_the_pool_usable():
+    store, a, b = budget_for_both()
+    a.dynamic.slots = SlotsOutOfMemory(a.dynamic.slots)
+    with pytest.raises(MemoryError):
+        push_rows(store, ("a", 0), NEW_IDS)
+    a.dynamic.slots = dict(a.dynamic.slots)  # memory is back
+    assert store._growing == 0  # the admission's room was given back
+    pool = a.dynamic
+    assert {len(pool.values)} == {len(s) for s in pool.slots.values()}, (
+        f"the failed growth left a half-grown pool: {len(pool.values)} rows of values, "
+        f"{sorted({len(s) for s in pool.slots.values()})} rows of slots")
+    push_rows(store, ("a", 0), NEW_IDS)  # the same growth, now that it fits
+    assert len(a.values) == 2 * MIN_POOL_ROWS
