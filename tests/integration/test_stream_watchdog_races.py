@@ -41,7 +41,7 @@ def test_a_push_whose_last_message_arrives_as_the_watchdog_cuts_it_is_not_applie
 
     with PSClient(cluster.coordinator_address) as ps:
         ps.declare("w", shape=(8,), init="zeros", optimizer=SGD1)
-        header = first_shard_push_header(ps.shard_map, "w", f"review-{uuid.uuid4().hex}")
+        header = first_shard_push_header(ps.shard_map, "w", f"raw-{uuid.uuid4().hex}")
         data = np.ones(8, np.float32).tobytes()
 
         release = threading.Event()  # the client's end of stream goes out
