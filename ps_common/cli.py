@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import thread as futures_thread
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 from ps_common.auth import TOKEN_FILE_ENV, token_from
 from ps_common.tf_config import TF_CONFIG_ENV, Task, TFConfigError, split_address, task_for
@@ -290,22 +290,22 @@ def _joined_at_exit() -> list[threading.Thread]:
             and t.is_alive() and (not t.daemon or t in pool_workers)]
 
 
-def end_after_stop(code: int) -> int:
-    """`code`, once no thread the interpreter would wait for at exit is left (a stopped
-    daemon's idle pool threads end within LINGER_S). Else the process ends now, with `code`:
-    a handler still running past --grace (a checkpoint write to a slow disk, a call to an
-    unreachable peer) must not keep a stopped process alive."""
+def exit_after_stop(code: int) -> NoReturn:
+    """End a daemon's process with `code` once its graceful stop is over: calls still running
+    get LINGER_S more, then are abandoned (a checkpoint write to a slow disk, a call to an
+    unreachable peer must not keep a stopped process alive), and the interpreter's own
+    teardown is skipped, logs and output flushed first: it would join such threads, and
+    grpcio objects torn down while one of its daemon threads holds their lock hang it."""
     deadline = time.monotonic() + LINGER_S
     for thread in _joined_at_exit():
         thread.join(max(0.0, deadline - time.monotonic()))
     if _joined_at_exit():
         logging.getLogger(__name__).warning(
             "calls still running after the stop are abandoned; exiting")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def fail(parser: argparse.ArgumentParser, message: str) -> None:

@@ -12,7 +12,7 @@ from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_metrics_argument, add_shared_memory_argument, bind_of, fail,
     die_with_parent, parse_address, parse_bytes, parse_seconds, parse_seconds_or_zero,
-    StopSignals, end_after_stop, run_until_signal, setup_logging, tf_config_task,
+    StopSignals, exit_after_stop, run_until_signal, setup_logging, tf_config_task,
 )
 from ps_common.malloc import tune_malloc
 from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, BindError
@@ -156,9 +156,9 @@ def server_main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The ps-server command: `server_main`, and the process ends once it returns, past
-    calls still running (ps_common.cli.end_after_stop). In-process callers use
+    calls still running (ps_common.cli.exit_after_stop). In-process callers use
     `server_main`, which returns."""
-    sys.exit(end_after_stop(server_main()))
+    exit_after_stop(server_main())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from ps_common.cli import (
     add_tls_arguments, add_token_argument, tls_of, token_of,
     add_daemon_arguments, add_metrics_argument, add_server_loss_arguments,
     add_shared_memory_argument, bind_of, die_with_parent, fail, parse_bytes, parse_seconds,
-    end_after_stop, parse_seconds_or_zero, run_until_signal,
+    exit_after_stop, parse_seconds_or_zero, run_until_signal,
     setup_logging, tf_config_task,
 )
 from ps_common.job import JobError, add_job_arguments, job_from_args
@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The ps-coordinator command: `main`, and the process ends once it returns, past calls
-    still running (ps_common.cli.end_after_stop). In-process callers use `main`."""
-    sys.exit(end_after_stop(main()))
+    still running (ps_common.cli.exit_after_stop). In-process callers use `main`."""
+    exit_after_stop(main())
 
 
 if __name__ == "__main__":

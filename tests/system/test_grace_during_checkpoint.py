@@ -1,7 +1,7 @@
 """SIGTERM reaches a ps-server while it writes its part of a checkpoint: the process exits
 (0) once its graceful stop is over, not when the write ends. The handler still writing runs
 on a thread of the gRPC server's pool, which the interpreter would join at exit; the server
-ends the process without it (ps_common.cli.end_after_stop).
+ends the process without it (ps_common.cli.exit_after_stop).
 
 The checkpoint's file write is made slow deterministically: a hook in the server process
 blocks the first write of checkpoint data until a file appears (at most BLOCK_S, far past
