@@ -273,6 +273,10 @@ class ParameterServer:
         self._stopped.set()
         if self._membership is not None and self._membership is not threading.current_thread():
             self._membership.join(timeout=5.0)
+        with self._membership_lock:
+            # A cancelled call kept until the interpreter's teardown can hang it there (its
+            # completion thread frozen holding the call's lock): let it go now.
+            self._membership_rpc = None
         if self._expiry.is_alive() and self._expiry is not threading.current_thread():
             self._expiry.join(timeout=5.0)
 

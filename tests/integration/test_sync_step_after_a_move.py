@@ -7,7 +7,7 @@ is applied. a sends w to T as the step its part there carried (applied without i
 as late) and an empty push to S (its part there failed), b its empty push to S again: S's
 next step has both, and both pushes return.
 
-The servers' step wait is shortened from 30 s to 3 s (StepGate._wait_s) to bound a
+The servers' step wait is shortened from 30 s to 10 s (StepGate._wait_s) to bound a
 deadlock, never reached when the clients finish the step.
 """
 
@@ -33,7 +33,7 @@ def test_a_sync_step_refused_as_stale_after_a_move_is_finished_by_both_clients(
     cluster = make_cluster(servers=2)
     by_id = {server.server_id: server for server in cluster.servers}
     for server in cluster.servers:
-        _gate(server)._wait_s = 3.0
+        _gate(server)._wait_s = 10.0
     with PSClient(cluster.coordinator_address) as a, \
             PSClient(cluster.coordinator_address) as b:
         a.declare("w", (4,), init="zeros", optimizer={"name": "sgd", "lr": 1.0})
