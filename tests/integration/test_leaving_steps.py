@@ -6,6 +6,8 @@ whose JoinSteps (asked by a push in flight) answered after the leave began.
 Each server's step wait is shortened from 30 s to 3 s (StepGate._wait_s): a client that
 stayed a member would make the other client's push fail with DEADLINE_EXCEEDED after that
 wait; when it has left, nothing waits at all.
+
+Also: a push racing leave_steps sends no empty push without a step.
 """
 
 from __future__ import annotations
@@ -136,3 +138,61 @@ def test_leave_steps_while_a_push_async_joins_again_leaves_the_server(make_clust
         a.push({"w": np.full(4, 1.0, np.float32)})  # a's step, alone
         np.testing.assert_array_equal(a.pull("w"), np.full(4, -3.0, np.float32))
         assert member_incarnation(server, b.client_id) is None
+
+
+# ---- a push racing leave_steps -------------------------------------------------------------
+
+def test_a_push_raced_by_leave_steps_does_not_send_an_empty_push_without_a_step(
+        make_cluster, spawn):
+    """A stepped push sends an empty push (no shards, only the step) to every server it has
+    no gradients for. When leave_steps runs while such a push is between its planning (the
+    client was in the steps) and asking that server for its step (answered None: the
+    client left, or its JoinSteps was answered after the leave and undone), nothing goes
+    to that server, and the caller's push returns (its gradients were applied). The
+    interleaving is forced with events on the JoinSteps answer."""
+    cluster = make_cluster(servers=2)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", (4,), optimizer={"name": "sgd", "lr": 1.0})
+        shard_map = ps.refresh()
+        (holder,) = {shard.server_id for shard in shard_map.shards_of("w")}
+        (other,) = set(shard_map.servers) - {holder}
+        ps.join_steps("ssp:4")
+        # Forget the step at the server without gradients: the push asks for it again.
+        with ps._lock:
+            ps._steps.pop(other)
+
+        # The push's JoinSteps at that server is answered once leave_steps has begun (the
+        # path a68a0fd undoes with a LeaveSteps in _step_at).
+        stub = ps._stub(shard_map.servers[other])
+        real_join = stub.JoinSteps
+        asking, left = threading.Event(), threading.Event()
+
+        def held_join(request, timeout=None):
+            reply = real_join(request, timeout=timeout)
+            asking.set()
+            assert left.wait(WAIT_S)
+            return reply
+
+        stub.JoinSteps = held_join
+
+        def leave():
+            assert asking.wait(WAIT_S)
+            try:
+                ps.leave_steps()
+            finally:
+                left.set()
+
+        leaver = spawn(leave)
+        error = None
+        try:
+            ps.push({"w": np.full(4, 1.0, np.float32)})
+        except RemoteError as raised:
+            error = raised
+        finally:
+            left.set()
+        leaver.result()
+        stub.JoinSteps = real_join
+        values = ps.pull("w")
+
+    assert error is None, f"the push raised although it was applied: {error}"
+    np.testing.assert_array_equal(values, np.full(4, -1.0, np.float32))
