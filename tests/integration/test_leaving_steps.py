@@ -7,7 +7,7 @@ Each server's step wait is shortened from 30 s to 3 s (StepGate._wait_s): a clie
 stayed a member would make the other client's push fail with DEADLINE_EXCEEDED after that
 wait; when it has left, nothing waits at all.
 
-Also: a push racing leave_steps sends no empty push without a step.
+Also: a push racing leave_steps lands once, and sends no empty push without a step.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ps_common.rpc import RetryPolicy
+from ps_server.consistency import StepGate
 from ps_server.testing import wait_until
 from ps_worker import PSClient, RemoteError
 
@@ -43,6 +44,52 @@ def one_server_with_short_steps(make_cluster):
 
 def sgd() -> dict:
     return {"name": "sgd", "lr": 1.0}
+
+
+class HeldJoin:
+    """A client's JoinSteps to one server, its answer held (bounded) until `resume` (an
+    Event: a new one if not given) is set; `answered` is set once the server has answered.
+    `restore()` lets it go and puts the real call back."""
+
+    def __init__(self, client: PSClient, server_id: str,
+                 resume: threading.Event | None = None):
+        self._stub = client._stub(client.shard_map.servers[server_id])
+        self._real = self._stub.JoinSteps
+        self.answered, self.resume = threading.Event(), resume or threading.Event()
+        self._stub.JoinSteps = self._held
+
+    def _held(self, request, timeout=None):
+        reply = self._real(request, timeout=timeout)
+        self.answered.set()
+        assert self.resume.wait(WAIT_S)
+        return reply
+
+    def restore(self) -> None:
+        self.resume.set()
+        self._stub.JoinSteps = self._real
+
+
+def push_while_leaving(spawn, client: PSClient, grads: dict, ready: threading.Event,
+                       left: threading.Event) -> RemoteError | None:
+    """`client.push(grads)`, while another thread calls `client.leave_steps()` once `ready`
+    is set (and sets `left` when it returns). Returns the push's error, if any."""
+
+    def leave():
+        assert ready.wait(WAIT_S)
+        try:
+            client.leave_steps()
+        finally:
+            left.set()
+
+    leaver = spawn(leave)
+    try:
+        client.push(grads)
+        return None
+    except RemoteError as error:
+        return error
+    finally:
+        left.set()
+        leaver.result()
 
 
 def test_leave_steps_after_a_failed_sync_step_leaves_the_server(make_cluster, spawn):
@@ -114,25 +161,16 @@ def test_leave_steps_while_a_push_async_joins_again_leaves_the_server(make_clust
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
         # b's next push asks for its step again; hold its JoinSteps answer.
-        stub = b._stub(b.shard_map.servers[server.server_id])
-        real = stub.JoinSteps
-        answered, resume = threading.Event(), threading.Event()
-
-        def held_join(request, timeout=None):
-            reply = real(request, timeout=timeout)
-            answered.set()
-            assert resume.wait(WAIT_S)
-            return reply
-
-        stub.JoinSteps = held_join
-        pushed = b.push_async({"w": np.full(4, 1.0, np.float32)})
-        assert answered.wait(WAIT_S)
-        leaving = spawn(b.leave_steps)
-        wait_until(lambda: b.mode == "async", "leave_steps has begun", timeout_s=WAIT_S)
-        resume.set()
+        join = HeldJoin(b, server.server_id)
+        try:
+            pushed = b.push_async({"w": np.full(4, 1.0, np.float32)})
+            assert join.answered.wait(WAIT_S)
+            leaving = spawn(b.leave_steps)
+            wait_until(lambda: b.mode == "async", "leave_steps has begun", timeout_s=WAIT_S)
+        finally:
+            join.restore()
         pushed.result(timeout=WAIT_S)
         leaving.result()
-        stub.JoinSteps = real
 
         a.join_steps("sync", replicas=1)
         a.push({"w": np.full(4, 1.0, np.float32)})  # a's step, alone
@@ -161,38 +199,51 @@ def test_a_push_raced_by_leave_steps_does_not_send_an_empty_push_without_a_step(
         with ps._lock:
             ps._steps.pop(other)
 
-        # The push's JoinSteps at that server is answered once leave_steps has begun (the
-        # path a68a0fd undoes with a LeaveSteps in _step_at).
-        stub = ps._stub(shard_map.servers[other])
-        real_join = stub.JoinSteps
-        asking, left = threading.Event(), threading.Event()
-
-        def held_join(request, timeout=None):
-            reply = real_join(request, timeout=timeout)
-            asking.set()
-            assert left.wait(WAIT_S)
-            return reply
-
-        stub.JoinSteps = held_join
-
-        def leave():
-            assert asking.wait(WAIT_S)
-            try:
-                ps.leave_steps()
-            finally:
-                left.set()
-
-        leaver = spawn(leave)
-        error = None
+        # The push's JoinSteps at that server is answered once leave_steps has begun (a
+        # join answered after a leave is undone in PSClient._step_at).
+        left = threading.Event()
+        join = HeldJoin(ps, other, resume=left)
         try:
-            ps.push({"w": np.full(4, 1.0, np.float32)})
-        except RemoteError as raised:
-            error = raised
+            error = push_while_leaving(spawn, ps, {"w": np.full(4, 1.0, np.float32)},
+                                       join.answered, left)
         finally:
-            left.set()
-        leaver.result()
-        stub.JoinSteps = real_join
+            join.restore()
         values = ps.pull("w")
 
     assert error is None, f"the push raised although it was applied: {error}"
     np.testing.assert_array_equal(values, np.full(4, -1.0, np.float32))
+
+
+def test_a_sync_push_raced_by_leave_steps_lands_once_and_says_so(make_cluster, monkeypatch,
+                                                                 spawn):
+    """leave_steps in one thread while a sync push of the same client is in flight in
+    another ("one PSClient may be used from many threads at once"), its LeaveSteps landing
+    on the server right after the push's membership check. The step refuses the push (the
+    client has left), and the client sends it again as a push that waits for nobody,
+    applied whole; a 'duplicate' answer to that second send is its own first send's, not
+    another client's. Over gRPC."""
+    cluster = make_cluster(servers=1, shared_memory=False)
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as b:
+        a.declare("w", (4,), optimizer=sgd())
+        a.join_steps("sync", replicas=2)
+        b.join_steps("sync", replicas=2)
+
+        checked, left = threading.Event(), threading.Event()
+        real_check = StepGate.check_member
+
+        def check_then_let_leave(self, client_id, incarnation):
+            kind = real_check(self, client_id, incarnation)
+            if client_id == a.client_id and not checked.is_set():
+                checked.set()
+                assert left.wait(WAIT_S)
+            return kind
+
+        monkeypatch.setattr(StepGate, "check_member", check_then_let_leave)
+        error = push_while_leaving(spawn, a, {"w": np.full(4, 2.0, np.float32)}, checked,
+                                   left)
+        values = a.pull("w")
+
+    assert error is None, f"the push failed: {error}"
+    # Applied once, whole (b never pushed: no sync step of a's could have been applied).
+    np.testing.assert_array_equal(values, np.full(4, -2.0, np.float32))
