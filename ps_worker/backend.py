@@ -164,11 +164,15 @@ def cuda_device_count() -> int:
     return _probe_cupy()[1]
 
 
-def select_backend(device: str, log: Callable[[str], None] | None = None) -> ArrayBackend:
+def select_backend(device: str, log: Callable[[str], None] | None = None,
+                   local_rank: int | None = None) -> ArrayBackend:
     """The backend for a ``--device`` value: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
 
-    ``auto`` picks CuPy on GPU 0 when CuPy imports and sees a GPU, NumPy otherwise, and
+    ``auto`` picks CuPy on a GPU when CuPy imports and sees one, NumPy otherwise, and
     reports its choice and the reason through ``log`` (default: this module's logger at INFO).
+    The GPU of ``auto`` and ``cuda`` is GPU 0, or with ``local_rank`` (the worker's index
+    among the workers of its host) GPU ``local_rank`` mod the GPUs visible, so that the
+    workers of a host spread over its GPUs; ``cuda:N`` is GPU N whatever the rank.
 
     Raises ``BackendUnavailable`` when a CUDA device is named but CuPy or that GPU is
     missing or cannot be used (``auto`` then picks NumPy), and ``ValueError`` for a value
@@ -183,17 +187,20 @@ def select_backend(device: str, log: Callable[[str], None] | None = None) -> Arr
         if cupy_backend is None or count == 0:
             report(f"device auto: using numpy on the CPU because {problem}")
             return NumpyBackend()
-        backend, problem = _open_gpu(cupy_backend, 0)
+        index = _gpu_of_rank(local_rank, count)
+        backend, problem = _open_gpu(cupy_backend, index)
         if backend is None:
             report(f"device auto: using numpy on the CPU because {problem}")
             return NumpyBackend()
-        report(f"device auto: using cupy on cuda:0 ({count} CUDA device(s) visible)")
+        report(f"device auto: using cupy on cuda:{index} ({count} CUDA device(s) visible"
+               f"{'' if local_rank is None else f', local rank {local_rank}'})")
         return backend
     match = _CUDA_DEVICE.fullmatch(spec)
     if match is None:
         raise ValueError(f"device {device!r} is not one of 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    index = int(match.group(1) or 0)
     cupy_backend, count, problem = _probe_cupy()
+    index = (int(match.group(1)) if match.group(1) is not None
+             else _gpu_of_rank(local_rank, max(count, 1)))
     if cupy_backend is None:
         raise BackendUnavailable(
             f"device cuda:{index} was requested but {problem}; install paramserve[gpu] "
@@ -211,6 +218,12 @@ def select_backend(device: str, log: Callable[[str], None] | None = None) -> Arr
                                  "CUDA_VISIBLE_DEVICES and the GPU's compute mode and memory, "
                                  "or run with --device cpu")
     return backend
+
+
+def _gpu_of_rank(local_rank: int | None, count: int) -> int:
+    if local_rank is not None and local_rank < 0:
+        raise ValueError(f"local rank {local_rank}: must be >= 0")
+    return 0 if local_rank is None else local_rank % count
 
 
 def _open_gpu(cupy_backend: ModuleType, index: int) -> tuple[ArrayBackend | None, str]:

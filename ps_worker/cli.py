@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"coordinator HOST:PORT (default: cluster.chief of {TF_CONFIG_ENV}, "
                    "whose task must then be a worker)")
     p.add_argument("--device", default="auto",
-                   help="auto (CuPy on a GPU if present, else NumPy) | cpu | cuda:N")
+                   help="auto (CuPy on a GPU if present, else NumPy) | cpu | cuda | cuda:N")
+    p.add_argument("--local-rank", type=_parse_local_rank, metavar="N",
+                   help="this worker's index among the workers of its host: --device auto "
+                   "and cuda use GPU N mod the GPUs visible (default: GPU 0); ps-cluster "
+                   "gives worker i rank i")
     p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID; with "
                    f"{TF_CONFIG_ENV}, worker-INDEX)")
     p.add_argument("--coordinator-timeout", type=parse_seconds, default=30.0, metavar="SECONDS",
@@ -66,7 +70,7 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     """The worker's config from its flags, and from TF_CONFIG in `environ` (default: this
     process's environment) when --coordinator was not given."""
     if not DEVICE_VALUE.fullmatch(args.device.strip().lower()):
-        parser.error(f"--device {args.device!r}: expected auto, cpu or cuda:N")
+        parser.error(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
     if not args.grace >= 0:
         parser.error(f"--grace {args.grace}: must be >= 0")
     if not 0 <= args.step_delay < float("inf"):
@@ -77,11 +81,18 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--coordinator is required (or a {TF_CONFIG_ENV} naming the coordinator "
                      "as cluster.chief, whose task is a worker)")
     return WorkerConfig(coordinator=args.coordinator or task.coordinator, device=args.device,
+                        local_rank=args.local_rank,
                         worker_id=args.worker_id or (task.name if task else None),
                         coordinator_timeout_s=args.coordinator_timeout,
                         shared_memory=not args.no_shm, step_delay_s=args.step_delay,
                         token=token_of(parser, args), tls=tls_of(parser, args),
                         coordinator_from=_coordinator_from(args))
+
+
+def _parse_local_rank(text: str) -> int:
+    if not (text.strip().isascii() and text.strip().isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rank (0, 1, 2, ...)")
+    return int(text)
 
 
 def _coordinator_from(args: argparse.Namespace) -> str:

@@ -301,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
         "127.0.0.1 and train the job (default: an MLP on the digits data set).")
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="workers' --device (default cpu)")
+    p.add_argument("--device", default="cpu",
+                   help="workers' --device (default cpu); with auto or cuda, worker i uses GPU "
+                   "i mod the GPUs visible")
     p.add_argument("--heartbeat-interval", type=parse_seconds, default=0.5, metavar="SECONDS")
     p.add_argument("--heartbeat-timeout", type=parse_seconds, default=5.0, metavar="SECONDS")
     p.add_argument("--split-threshold", type=parse_bytes, default="64MiB")
@@ -345,6 +347,13 @@ def metrics_ports(base: int, servers: int, workers: int) -> str:
     if workers:
         parts.append(f"worker(s) {span(base + 1 + servers, workers)}")
     return ", ".join(parts)
+
+
+def worker_command(coordinator: str, index: int, device: str, flags: list[str]) -> list[str]:
+    """The command of worker `index`: local rank `index`, so that with `--device auto` or
+    `cuda` the workers spread over the host's GPUs instead of all computing on GPU 0."""
+    return _python("ps_worker.cli", "--coordinator", coordinator, "--worker-id",
+                   f"worker-{index}", "--device", device, "--local-rank", str(index), *flags)
 
 
 def _python(module: str, *args: str) -> list[str]:
@@ -462,9 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers:
             server.wait_for_address(time.monotonic() + READY_TIMEOUT_S)
         for i in range(args.workers):
-            workers.append(Child(f"worker-{i}", _python(
-                "ps_worker.cli", "--coordinator", address, "--worker-id", f"worker-{i}",
-                "--device", args.device, *metrics(1 + args.servers + i), *passed_on), log_dir,
+            workers.append(Child(f"worker-{i}", worker_command(
+                address, i, args.device, [*metrics(1 + args.servers + i), *passed_on]),
+                log_dir,
                 env=with_model_directory(worker_environment(args.workers), model_directory)))
             children.append(workers[-1])
         if not args.workers:

@@ -72,6 +72,9 @@ class Fenced(Exception):
 class WorkerConfig:
     coordinator: str
     device: str = "auto"
+    # This worker's index among the workers of its host (--local-rank): `auto` and `cuda`
+    # then use GPU local_rank mod the GPUs visible, so that workers spread over the GPUs.
+    local_rank: int | None = None
     worker_id: str | None = None
     # How long the coordinator may stay unreachable (at start, or during training) before
     # the worker gives up with an error naming its address.
@@ -538,7 +541,8 @@ class Worker:
         heartbeat = None
         try:
             # The device first: a worker that cannot use it must not join (and hold tasks).
-            backend = select_backend(self.config.device, log=log.info)
+            backend = select_backend(self.config.device, log=log.info,
+                                     local_rank=self.config.local_rank)
             registration = self._coordinator.register_worker(self.worker_id)
             if registration.job is None:
                 log.error("the coordinator at %s has no job to run (start it with job flags "

@@ -18,6 +18,7 @@ import pytest
 import ps_worker
 from ps_worker import cli as worker_cli
 from ps_worker.backend import BackendUnavailable, select_backend
+from ps_worker.cluster import worker_command
 from ps_worker.runtime import Worker
 
 
@@ -58,20 +59,35 @@ def fake_cupy(device_count: int, context_error: str | None):
     return cupy, cupyx
 
 
-@pytest.fixture
-def unusable_gpu(monkeypatch):
-    cupy, cupyx = fake_cupy(1, "cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are "
-                               "busy or unavailable")
+def install_fake_cupy(monkeypatch, device_count: int, context_error: str | None):
+    cupy, cupyx = fake_cupy(device_count, context_error)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
     # Imported afresh against the stand-in, and forgotten afterwards.
     # (`from ps_worker import _cupy_backend` finds the package attribute first.)
     monkeypatch.delitem(sys.modules, "ps_worker._cupy_backend", raising=False)
     monkeypatch.delattr(ps_worker, "_cupy_backend", raising=False)
-    yield
+
+
+def forget_fake_cupy() -> None:
     sys.modules.pop("ps_worker._cupy_backend", None)
     if hasattr(ps_worker, "_cupy_backend"):
         delattr(ps_worker, "_cupy_backend")
+
+
+@pytest.fixture
+def unusable_gpu(monkeypatch):
+    install_fake_cupy(monkeypatch, 1, "cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+                                      "is/are busy or unavailable")
+    yield
+    forget_fake_cupy()
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    install_fake_cupy(monkeypatch, 4, None)
+    yield
+    forget_fake_cupy()
 
 
 def test_auto_with_a_listed_but_unusable_gpu_uses_numpy_or_says_why(unusable_gpu) -> None:
@@ -129,3 +145,43 @@ def test_a_device_value_that_names_no_device_is_refused_naming_the_flag(value, c
     assert status == 1
     assert "--device" in err and "the job cannot run here" not in err, err
 
+
+
+@pytest.mark.parametrize("device, local_rank, gpu", [
+    ("auto", None, 0), ("auto", 0, 0), ("auto", 2, 2), ("auto", 5, 1),
+    ("cuda", None, 0), ("cuda", 3, 3), ("cuda", 6, 2),
+    ("cuda:1", None, 1), ("cuda:1", 3, 1)])
+def test_workers_of_a_host_spread_over_its_gpus_by_local_rank(four_gpus, device, local_rank,
+                                                              gpu) -> None:
+    """`auto` and `cuda` compute on GPU local_rank mod the GPUs visible (GPU 0 without a
+    rank); `cuda:N` names its GPU whatever the rank. Without this, `ps-cluster --workers 4
+    --device auto` on a 4-GPU host put all four workers on GPU 0."""
+    messages: list[str] = []
+    backend = select_backend(device, log=messages.append, local_rank=local_rank)
+    assert backend.name == "cupy" and backend.device == f"cuda:{gpu}"
+    if device == "auto":
+        assert f"cuda:{gpu}" in messages[0], messages
+
+
+def test_ps_worker_takes_its_local_rank_and_refuses_one_that_is_no_rank(capsys) -> None:
+    parser = worker_cli.build_parser()
+    config = worker_cli.config_from_args(parser, parser.parse_args(
+        ["--coordinator", "127.0.0.1:1", "--local-rank", "3"]), environ={})
+    assert config.local_rank == 3
+    for bad in ["-1", "one", "1.5", ""]:
+        with pytest.raises(SystemExit) as refused:
+            parser.parse_args(["--coordinator", "127.0.0.1:1", "--local-rank", bad])
+        assert refused.value.code == 2
+        assert "--local-rank" in capsys.readouterr().err
+
+
+def test_ps_cluster_gives_each_worker_its_index_as_local_rank() -> None:
+    """ps-cluster's worker commands are ps-worker command lines whose local rank is the
+    worker's index, with the device it was given."""
+    parser = worker_cli.build_parser()
+    for index in range(3):
+        argv = worker_command("127.0.0.1:5", index, "auto", ["--no-shm"])
+        assert argv[1:3] == ["-m", "ps_worker.cli"]
+        args = parser.parse_args(argv[3:])
+        assert (args.local_rank, args.device, args.worker_id, args.no_shm) == (
+            index, "auto", f"worker-{index}", True)
