@@ -51,6 +51,18 @@ from ps_worker.shared_memory import HandshakeFailed, ConnectionLost, SharedConne
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 
+# Forks of this process so far: a PSClient refuses to work in a child forked after it was
+# made (PSClient._refuse_in_forked_child).
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
 log = logging.getLogger(__name__)
 
 # How many times one pull or push follows a "your shard map is stale" answer before giving up.
@@ -263,6 +275,7 @@ class PSClient:
         if max_in_flight_pushes < 1:
             raise ValueError("max_in_flight_pushes must be >= 1")
         self.coordinator = coordinator
+        self._made_before_forks = _forks  # see _refuse_in_forked_child
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._incarnation = incarnation
         self._registered_incarnation = False  # this instance asked the coordinator for it
@@ -363,7 +376,10 @@ class PSClient:
         for a server that is away), a pull or push on the wire (cancelled), and every later
         call raise RemoteError CANCELLED at once. Pushes cut short this way may or may not
         have been applied. For a worker told to stop (SIGTERM, or the job is over); `close()`
-        is still to be called. Irreversible; thread-safe."""
+        is still to be called. Irreversible; thread-safe. In a forked child it does nothing:
+        the sockets it would shut down are the parent's too."""
+        if _forks != self._made_before_forks:
+            return
         self._interrupted.set()
         with self._lock:
             calls = list(self._wire_calls)
@@ -378,10 +394,21 @@ class PSClient:
         for channel in channels:
             channel.close()
 
+    def _refuse_in_forked_child(self) -> None:
+        """Raise FAILED_PRECONDITION in a child forked after this client was made. The child
+        would share the parent's client id, push sequences, push slots and sockets: its
+        pushes would be taken for the parent's retries (answered, never applied) or mixed
+        into the parent's in the same slot, and its gRPC channels may hang."""
+        if _forks != self._made_before_forks:
+            raise _local_error(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this PSClient was made before this process was forked: it "
+                               "belongs to the parent process; make a new PSClient here")
+
     def _refuse_if_closed(self, *, closing: bool = False) -> None:
         """Raise FAILED_PRECONDITION once close() is done with the calls in flight, or, with
         `closing`, once it has begun (for a new call in the background, which close() would
-        not wait for)."""
+        not wait for); and in a forked child (see _refuse_in_forked_child)."""
+        self._refuse_in_forked_child()
         if self._shut.is_set() or (closing and self._closed):
             raise _local_error(grpc.StatusCode.FAILED_PRECONDITION,
                                "this PSClient is closed: make a new one")
@@ -437,7 +464,10 @@ class PSClient:
         error of a `push_async` that failed and was never flushed (its gradients did not
         land, or not everywhere: see `push`). Idempotent: only the first call raises.
         Under a retry policy without an attempt limit the wait lasts as long as a server is
-        away: call `interrupt()` first to give up on what is in flight."""
+        away: call `interrupt()` first to give up on what is in flight. In a forked child
+        it does nothing: what it would close is the parent's."""
+        if _forks != self._made_before_forks:
+            return
         with self._lock:
             if self._closed:
                 return
@@ -484,6 +514,7 @@ class PSClient:
 
     @property
     def shard_map(self) -> ShardMap:
+        self._refuse_in_forked_child()  # every data-path call starts here
         with self._lock:
             current = self._map
         return current if current is not None else self.refresh()
