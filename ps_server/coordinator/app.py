@@ -17,6 +17,7 @@ from ps_common.tls import TLS
 from ps_proto.v1 import coordinator_pb2_grpc
 from ps_server.coordinator.assigner import Assigner
 from ps_server.coordinator.checkpointer import Catalog, Checkpointer, Interval, run_periodically
+from ps_server.coordinator.directory_lock import DirectoryLock
 from ps_server.coordinator.identity import (
     ClientRegistry, Incarnations, RetiredLog, new_generation,
 )
@@ -130,6 +131,14 @@ class Coordinator:
         # shuts down at the end of a job.
         self.on_job_over = on_job_over
         self._clock = clock or SystemClock()
+        self._directory_locks = _lock_directories(config)
+        try:
+            self._set_up(config, interceptors)
+        except BaseException:
+            self._release_directories()
+            raise
+
+    def _set_up(self, config: CoordinatorConfig, interceptors) -> None:
         # Fencing: a new generation (above every predecessor's) and a random token that only
         # servers receive; servers obey assignments carrying both.
         self.generation = new_generation()
@@ -151,7 +160,6 @@ class Coordinator:
                                 max_waiting_leases=MAX_WAITING_LEASES)
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint_dir is not None:
-            config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             catalog = Catalog(config.checkpoint_dir)
             self.state.use_checkpoints(catalog)
             self.checkpointer = Checkpointer(
@@ -164,7 +172,6 @@ class Coordinator:
         self._saving = threading.Lock()
         self._saved_progress = None
         if config.state_path is not None:
-            config.state_path.parent.mkdir(parents=True, exist_ok=True)
             self._state_file = StateFile(config.state_path)
             self._resume_job()
         # Servers are told the job is over only after its last checkpoint.
@@ -369,6 +376,11 @@ class Coordinator:
             self.checkpointer.close()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
         self._assigner.close()
+        self._release_directories()
+
+    def _release_directories(self) -> None:
+        for lock in self._directory_locks:
+            lock.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._daemon.wait(timeout)
@@ -378,3 +390,27 @@ class Coordinator:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _lock_directories(config: CoordinatorConfig) -> list[DirectoryLock]:
+    """Lock the checkpoint and state directories this coordinator writes (made if need
+    be; ps_server.coordinator.directory_lock): raises DirectoryInUse, an OSError, when
+    another coordinator holds one, with every lock taken here released."""
+    wanted = {}
+    for flag, directory in (("--checkpoint-dir", config.checkpoint_dir),
+                            ("--state-dir", config.state_dir)):
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            wanted.setdefault(directory.resolve(), (flag, directory))
+    locks: list[DirectoryLock] = []
+    try:
+        for flag, directory in wanted.values():
+            lock = DirectoryLock(directory, flag)
+            lock.acquire()
+            locks.append(lock)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
