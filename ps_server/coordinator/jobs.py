@@ -998,6 +998,9 @@ class JobRunner:
                     if task.holder not in task.resumed_holders:
                         task.resumed_holders += (task.holder,)
                     task.state, task.holder = TaskState.PENDING, None
+                    # The restart ended this lease, not a lost worker: it is no attempt
+                    # of the MAX_TASK_ATTEMPTS (the next lease counts as one again).
+                    task.attempts = max(0, task.attempts - 1)
             for worker, _ in workers:
                 worker.leased = set()
             self._pending = [(t.kind != "evaluate", t.task_id) for t in tasks.values()

@@ -15,7 +15,7 @@ import json
 
 from ps_common.clock import FakeClock
 from ps_common.job import JobSpec
-from ps_server.coordinator.jobs import JobRunner, Metrics
+from ps_server.coordinator.jobs import MAX_TASK_ATTEMPTS, JobRunner, JobState, Metrics
 
 TIMEOUT_S = 10.0
 TRAIN = Metrics(loss_sum=2.0, examples=4, correct=3, steps=5, seconds=0.1)
@@ -78,3 +78,25 @@ def test_a_holder_from_before_two_restarts_keeps_its_claim_when_the_task_was_lea
     duplicate = third.complete("w0", w0, task.task_id, TRAIN)
     assert duplicate is False
     assert third.snapshot()["tasks_done"] == 1
+
+
+def test_leases_that_coordinator_restarts_interrupted_count_as_no_lost_holder():
+    """A task fails the job once it has lost MAX_TASK_ATTEMPTS holders ("lost N workers;
+    giving up"). A lease that a coordinator restart turned back into a pending task lost no
+    worker: a job whose coordinator restarted that often while one task ran (a crash loop,
+    `ps-cluster --chaos`) failed at the first real loss of a worker."""
+    runner, clock = new_process(100)
+    w0 = runner.register_worker("w0")
+    for restart in range(1, MAX_TASK_ATTEMPTS + 1):
+        outcome, task = runner.lease("w0", w0)
+        assert outcome == "task"
+        runner, clock = new_process(10_000 * restart, runner.export_state())
+        assert runner.heartbeat("w0", w0) == "continue"
+    outcome, task = runner.lease("w0", w0)
+    assert outcome == "task"
+    clock.advance(TIMEOUT_S + 1)
+    runner.live_workers()  # w0 is lost with its task: the first holder this task lost
+    assert runner.state is JobState.RUNNING, runner.failure
+    w1 = runner.register_worker("w1")
+    outcome, again = runner.lease("w1", w1)
+    assert (outcome, again.task_id) == ("task", task.task_id)
