@@ -1726,6 +1726,7 @@ class PSClient:
 
     def _stub(self, address: str) -> "_DataPath":
         """One channel and one data-path stub per server address, made once."""
+        self._refuse_in_forked_child()  # before the lock, which a parent's thread may hold
         with self._lock:
             if self._interrupted.is_set():  # its channels are closed: no new ones
                 raise _local_error(grpc.StatusCode.CANCELLED, "the client was interrupted")
