@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -466,6 +467,34 @@ class RowSource:
             return None
         verify_file(self.directory, self.manifest.files[name])
         return json.loads((self.directory / name).read_text())
+
+
+# ---- when to take one -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Interval:
+    """--checkpoint-every: `seconds` or `steps` (exactly one is set)."""
+
+    seconds: float = 0.0
+    steps: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "Interval":
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|seconds?|m|min|steps?)?\s*", text)
+        if not match:
+            raise ValueError(f"--checkpoint-every {text!r}: expected seconds (e.g. 30s, 5m) "
+                             "or steps (e.g. 500steps)")
+        number, unit = float(match.group(1)), (match.group(2) or "s")
+        if number <= 0:
+            raise ValueError(f"--checkpoint-every {text!r} must be > 0")
+        if unit.startswith("step"):
+            if number != int(number):
+                raise ValueError(f"--checkpoint-every {text!r}: steps must be a whole number")
+            return cls(steps=int(number))
+        return cls(seconds=number * (60 if unit.startswith("m") else 1))
+
+    def describe(self) -> str:
+        return f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
 
 
 # ---- the checkpoint directory ----------------------------------------------------------

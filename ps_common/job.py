@@ -175,6 +175,17 @@ def _normalized(values: Mapping[str, Any]) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in values.items()}
 
 
+class _JobFileLoader(yaml.SafeLoader):
+    """YAML as PyYAML reads it (YAML 1.1), but for numbers in exponent notation without a
+    dot (`lr: 1e-3`), which YAML 1.1 reads as strings and JSON and YAML 1.2 as floats."""
+
+
+_JobFileLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
 def _read_job_file(path: str) -> dict[str, Any]:
     """The mapping a job file holds, or JobError naming the file."""
     try:
@@ -184,7 +195,7 @@ def _read_job_file(path: str) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise JobError(f"--job {path}: not UTF-8 text (a job file is YAML or JSON)") from None
     try:
-        values = yaml.safe_load(text)  # YAML is a superset of JSON
+        values = yaml.load(text, Loader=_JobFileLoader)  # YAML is a superset of JSON
     except yaml.YAMLError as error:
         raise JobError(f"--job {path}: not valid YAML/JSON: {error}") from None
     if not isinstance(values, dict):
@@ -246,6 +257,9 @@ def job_from_args(args: argparse.Namespace) -> JobSpec | None:
     if args.job is None and not given:
         return None
     from_file: dict[str, Any] = {}
+    if args.job is not None and not args.job.strip():
+        # An unset variable in a templated `--job "$JOB"`: not a request for the defaults.
+        raise JobError("--job: an empty path; name a job file, or leave --job out")
     if args.job:
         JobSpec.from_file(args.job)  # the file's own mistakes are named as the file's
         from_file = _normalized(_read_job_file(args.job))

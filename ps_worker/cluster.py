@@ -27,10 +27,12 @@ from ps_common.cli import (
     DIE_WITH_ENV, add_server_loss_arguments, add_shared_memory_argument, add_tls_arguments,
     add_token_argument, parse_bytes, parse_port, parse_seconds, tls_of, token_of,
 )
+from ps_common.checkpoints import Interval
 from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.progress import epoch_line, figure, strict_json
 from ps_common.status import RemoteError
 from ps_common.tls import TLS
+from ps_worker.backend import DEVICE_VALUE
 from ps_worker.chaos import ChaosError, ChaosMonkey
 from ps_worker.chaos import plan as chaos_plan
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
@@ -378,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port and args.metrics_port + args.servers + args.workers > 65535:
         parser.error(f"--metrics-port {args.metrics_port}: its {1 + args.servers + args.workers} "
                      "ports must end at 65535 or below")
+    _check_children_flags(parser, args)
     token = token_of(parser, args)  # checked here; children read the same file
     tls = tls_of(parser, args)  # the same: the files are passed on
     # `--model mymodule:Model` may name a module in this directory: found here (the job is
@@ -396,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(f"the job cannot run: {error}")
 
+    if args.checkpoint_every is not None and not (args.checkpoint_dir or job.checkpoint_dir
+                                                  or args.chaos):
+        parser.error(f"--checkpoint-every {args.checkpoint_every}: needs --checkpoint-dir")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ps-cluster-")).resolve()
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -403,8 +409,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--log-dir {args.log_dir}: cannot make it a directory "
                      f"({error.strerror or error})")
     checkpoint_dir = _checkpoint_dir(args, job, log_dir)
-    if args.checkpoint_every is not None and checkpoint_dir is None:
-        parser.error(f"--checkpoint-every {args.checkpoint_every}: needs --checkpoint-dir")
     checkpoint_every = args.checkpoint_every or (CHAOS_CHECKPOINT_EVERY if args.chaos else None)
     chaos_seed = args.chaos_seed if args.chaos_seed is not None else \
         random.SystemRandom().randrange(2**31)
@@ -546,6 +550,25 @@ def main(argv: list[str] | None = None) -> int:
     clean = all(code == 0 for code in exits.values())
     chaos_done = chaos is None or chaos.complete
     return 0 if outcome["state"] == "done" and clean and chaos_done else 1
+
+
+def _check_children_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (exit 2) a value that ps-cluster passes on and a child would refuse, before
+    anything starts: the child's refusal would come after the others had started."""
+    if not DEVICE_VALUE.fullmatch(args.device.strip().lower()):
+        parser.error(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
+    if args.heartbeat_timeout <= args.heartbeat_interval:
+        parser.error(f"--heartbeat-interval {args.heartbeat_interval:g} must be below "
+                     f"--heartbeat-timeout {args.heartbeat_timeout:g}")
+    if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
+        parser.error("--checkpoint-dir: an empty path; name a directory")
+    if args.split_threshold < 1:
+        parser.error(f"--split-threshold {args.split_threshold}: must be at least 1 byte")
+    if args.checkpoint_every is not None and args.checkpoint_every.strip().lower() != "off":
+        try:
+            Interval.parse(args.checkpoint_every)
+        except ValueError as error:
+            parser.error(str(error))
 
 
 def _checkpoint_dir(args: argparse.Namespace, job: JobSpec, log_dir: Path) -> Path | None:

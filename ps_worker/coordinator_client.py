@@ -39,6 +39,18 @@ class CoordinatorUnreachable(ConnectionError):
         self.address = address
 
 
+class NotACoordinator(CoordinatorUnreachable):
+    """What answers at the address is not a ps-coordinator (a ps-server's port, another
+    gRPC service), or one too old to have the method called."""
+
+    def __init__(self, address: str, method: str, *, address_from: str = "--coordinator"):
+        ConnectionError.__init__(
+            self, f"no ps-coordinator answers at {address}: the gRPC service there has no "
+            f"Coordinator.{method} (UNIMPLEMENTED: another daemon's port, or a ps-coordinator "
+            f"older than this client); check {address_from}")
+        self.address = address
+
+
 class LeaseRevoked(Exception):
     """The coordinator no longer counts this worker as the task's holder (it was declared
     dead meanwhile, or the coordinator forgot the task): register again."""
@@ -101,10 +113,11 @@ class CoordinatorClient:
         self._waits: set[grpc.Future] = set()
         self._lease_ids = itertools.count(1)  # LeaseTaskRequest.lease_id
 
-    def _call(self, method: str, request, *, wait_s: float = 0.0):
+    def _call(self, method: str, request, *, wait_s: float = 0.0, newer: bool = False):
         """`wait_s`: the coordinator may hold the call this long before it answers (a lease
         waiting for a task): added to its deadline, and the call is one that
-        `interrupt_waits` cancels."""
+        `interrupt_waits` cancels. `newer`: a method older coordinators lack, whose
+        UNIMPLEMENTED the caller handles (else it raises NotACoordinator)."""
         rpc = getattr(self._stub, method)
         give_up_at = time.monotonic() + self._give_up_after_s + wait_s
 
@@ -124,6 +137,9 @@ class CoordinatorClient:
             if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CoordinatorUnreachable(self.address, self._give_up_after_s, error,
                                              address_from=self._address_from) from None
+            if error.code() is grpc.StatusCode.UNIMPLEMENTED and not newer:
+                raise NotACoordinator(self.address, method,
+                                      address_from=self._address_from) from None
             raise
 
     def _waiting(self, future: grpc.Future):
@@ -216,7 +232,7 @@ class CoordinatorClient:
         LeaseRevoked when this incarnation no longer holds the task."""
         try:
             reply = self._call("EvaluationReadParameters", pb.EvaluationReadParametersRequest(
-                worker_id=worker_id, incarnation=incarnation, task_id=task_id))
+                worker_id=worker_id, incarnation=incarnation, task_id=task_id), newer=True)
         except RemoteError as error:
             if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 raise LeaseRevoked(error.details()) from None

@@ -364,10 +364,19 @@ def plot(status: dict, out: Path) -> int:
     return len(epochs)
 
 
+# What `plot` reads of `ps-ctl status --json`: the job's fields, and each epoch's.
+_PLOTTED_JOB_FIELDS = {"state", "epochs", "metrics"}
+_PLOTTED_EPOCH_FIELDS = {"epoch", "examples", "loss", "accuracy", "test_loss", "test_accuracy"}
+
+
 def _status_from(source: str) -> dict:
     text = sys.stdin.read() if source == "-" else Path(source).read_text()
     status = json.loads(text)
-    if not isinstance(status, dict) or "job" not in status:
+    job = status.get("job") if isinstance(status, dict) else None
+    if not (isinstance(job, dict) and _PLOTTED_JOB_FIELDS <= job.keys()
+            and isinstance(job["metrics"], list)
+            and all(isinstance(m, dict) and _PLOTTED_EPOCH_FIELDS <= m.keys()
+                    for m in job["metrics"])):
         raise ValueError("not the output of ps-ctl status --json")
     return status
 
@@ -379,8 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", type=parse_address, help="coordinator HOST:PORT "
                    "(status, checkpoint, plot without --from); default: TF_CONFIG's "
                    "cluster.chief, where TF_CONFIG is set")
-    p.add_argument("--timeout", type=parse_seconds, default=5.0, metavar="SECONDS",
-                   help="give up when the coordinator does not answer within this time")
+    p.add_argument("--timeout", type=parse_seconds, metavar="SECONDS",
+                   help="give up when the coordinator does not answer within this time "
+                   "(default 5; 600 for checkpoint: writing a large model takes a while)")
     add_token_argument(p)
     add_tls_arguments(p, daemon=False)
     sub = p.add_subparsers(dest="command", required=True)
@@ -460,11 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     token = token_of(parser, args)
     tls = tls_of(parser, args)
+    if args.timeout is None:  # given neither before nor after the command
+        args.timeout = 600.0 if args.command == "checkpoint" else 5.0
     if args.command == "probe":
         return _probe(args.address, args.service, args.timeout, tls)
-    given = argv if argv is not None else sys.argv[1:]
-    if args.command == "checkpoint" and not any(a.startswith("--timeout") for a in given):
-        args.timeout = 600.0  # writing a large model takes a while
     if args.command == "status":
         if args.watch is not None and not args.watch > 0:
             parser.error(f"--watch {args.watch}: must be a number of seconds > 0")

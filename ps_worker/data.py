@@ -299,11 +299,13 @@ def _bias_for_rate(logits: np.ndarray, rate: float) -> float:
 
 
 def _load_npz(path: Path) -> Dataset:
+    if path.is_dir():
+        raise ValueError(f"data set file {str(path)!r} is a directory, not an .npz file")
     if not path.is_file():
         raise ValueError(f"data set file {str(path)!r} does not exist")
     try:
         archive = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # EOFError: empty
         raise ValueError(f"data set file {str(path)!r} is not a readable .npz file: {exc}") from exc
     if not isinstance(archive, np.lib.npyio.NpzFile):
         raise ValueError(f"data set file {str(path)!r} is a single array, not an .npz archive")
@@ -348,6 +350,8 @@ def _checked_pair(
         raise ValueError(f"{where}: {x_name!r} has no examples")
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_) or np.iscomplexobj(x):
         raise ValueError(f"{where}: {x_name!r} has non-numeric dtype {x.dtype}")
+    if x.ndim > 1 and not all(x.shape[1:]):
+        raise ValueError(f"{where}: {x_name!r} has no features (shape {x.shape})")
     # Images and other multi-axis examples become flat feature vectors.
     x = x.reshape(x.shape[0], -1) if x.ndim != 2 else x
     with np.errstate(over="ignore"):  # an overflow is found just below, and named

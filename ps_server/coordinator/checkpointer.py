@@ -10,7 +10,6 @@ at a time. No grpc here: `save_on(member, directory, epoch)` is the call to one 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from concurrent import futures
@@ -19,8 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from ps_common.checkpoints import (
-    CheckpointError, FileRecord, Manifest, ShardRecord, checkpoint_ids, new_checkpoint_dir,
-    carry_forward, newest_good, prune, verify, write_manifest,
+    CheckpointError, FileRecord, Interval, Manifest, ShardRecord, checkpoint_ids,
+    new_checkpoint_dir, carry_forward, newest_good, prune, verify, write_manifest,
 )
 from ps_common.errors import CheckpointFailed, NotReady, PSError
 
@@ -28,32 +27,6 @@ log = logging.getLogger(__name__)
 
 ATTEMPTS = 5  # a checkpoint races a map change at most this often before it gives up
 RETRY_AFTER_FAILURE_S = 5.0
-
-
-@dataclass(frozen=True)
-class Interval:
-    """--checkpoint-every: `seconds` or `steps` (exactly one is set)."""
-
-    seconds: float = 0.0
-    steps: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> "Interval":
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|seconds?|m|min|steps?)?\s*", text)
-        if not match:
-            raise ValueError(f"--checkpoint-every {text!r}: expected seconds (e.g. 30s, 5m) "
-                             "or steps (e.g. 500steps)")
-        number, unit = float(match.group(1)), (match.group(2) or "s")
-        if number <= 0:
-            raise ValueError(f"--checkpoint-every {text!r} must be > 0")
-        if unit.startswith("step"):
-            if number != int(number):
-                raise ValueError(f"--checkpoint-every {text!r}: steps must be a whole number")
-            return cls(steps=int(number))
-        return cls(seconds=number * (60 if unit.startswith("m") else 1))
-
-    def describe(self) -> str:
-        return f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
 
 
 class Catalog:

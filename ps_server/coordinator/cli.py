@@ -41,6 +41,14 @@ def checkpoint_interval(text: str) -> Interval | None:
         raise argparse.ArgumentTypeError(str(error).removeprefix("--checkpoint-every ")) from None
 
 
+def _directory(text: str) -> Path:
+    # An empty path (an unset variable in `--checkpoint-dir "$DIR"`) would be the working
+    # directory, quietly.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a directory")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-coordinator", description="Coordinate a paramserve cluster: servers register "
@@ -63,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "first variables are spread over all of them (default 1; with "
                    f"{TF_CONFIG_ENV}, the number of entries in cluster.ps)")
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+    g.add_argument("--checkpoint-dir", type=_directory, metavar="DIR",
                    help="take checkpoints of every shard here (a directory every server can "
                    "reach) and restore from the newest good one; also the job-file key "
                    "checkpoint_dir")
@@ -73,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "taken at the end of the job and as soon as new variables are declared")
     g.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                    help="keep the newest N checkpoints (default 3)")
-    g.add_argument("--state-dir", type=Path, metavar="DIR",
+    g.add_argument("--state-dir", type=_directory, metavar="DIR",
                    help="where the coordinator keeps its own state (job progress) so that it "
                    "resumes after a restart (default: the checkpoint directory)")
     add_shared_memory_argument(p, "let the job's workers use shared memory with servers on "
@@ -114,15 +122,6 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
         task.servers if task else 1)
     checkpoint_dir = args.checkpoint_dir or (Path(job.checkpoint_dir)
                                              if job and job.checkpoint_dir else None)
-    for flag, directory in (("--checkpoint-dir" if args.checkpoint_dir
-                             else "the job's checkpoint_dir", checkpoint_dir),
-                            ("--state-dir", args.state_dir)):
-        try:
-            if directory is not None:
-                Path(directory).mkdir(parents=True, exist_ok=True)
-        except OSError as error:  # else it would surface as a failure to bind the port
-            fail(parser, f"{flag} {directory}: cannot make it a directory "
-                         f"({error.strerror or error})")
     every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_every is _NOT_GIVEN \
         else args.checkpoint_every
     if args.checkpoint_every not in (_NOT_GIVEN, None) and checkpoint_dir is None:
@@ -144,6 +143,21 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
     except ValueError as error:
         fail(parser, str(error))
         raise
+    # Made only once every flag is known good: a refused command line leaves nothing behind.
+    for flag, directory in (("--checkpoint-dir" if args.checkpoint_dir
+                             else "the job's checkpoint_dir", checkpoint_dir),
+                            ("--state-dir", args.state_dir)):
+        try:
+            if directory is not None:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # else it would surface as a failure to bind the port
+            fail(parser, f"{flag} {directory}: cannot make it a directory "
+                         f"({error.strerror or error})")
+    state = config.state_path
+    if state is not None and state.exists() and not state.is_file():
+        # It would be ignored at start and fail every save: the progress never kept.
+        fail(parser, f"{'--state-dir' if args.state_dir else '--checkpoint-dir'}: the state "
+                     f"file {state} is not a file")
     return config, task
 
 
