@@ -73,6 +73,62 @@ class StepStats:
     waited_s: float  # their waits, summed
 
 
+class StepSum:
+    """One shard's sum of a sync step's gradients, and their count, kept from overflowing.
+
+    The average of finite gradients is finite, but their sum may not be (two of 3e38 in
+    float32, two of 40,000 in float16): a server that refused such a step would refuse only
+    its own shards while the variable's other servers applied theirs. So the sum is held as
+    `total * 2**scale`: `scale` stays 0 (the plain sum, bit for bit) while a bound on
+    `total`'s magnitude fits the dtype, and grows, halving `total` (exact but for
+    subnormals), before an add could overflow. The bound adds up each gradient's largest
+    magnitude, or its Euclidean norm (one BLAS pass, at least as large) where that is
+    finite, in the units of `total`."""
+
+    def __init__(self, held, grad: np.ndarray):
+        self.held = held
+        self.total = np.array(grad, copy=True)
+        self.count = 1
+        self.scale = 0
+        self._limit = float(np.finfo(self.total.dtype).max)
+        self._bound = _magnitude_bound(self.total)
+
+    def add(self, grad: np.ndarray) -> None:
+        more = _magnitude_bound(grad) * 0.5 ** self.scale
+        # Each term is at most the dtype's largest value: halving both ends the loop.
+        while self._bound + more > self._limit:
+            self.total *= 0.5
+            self.scale += 1
+            self._bound *= 0.5
+            more *= 0.5
+        self._bound += more
+        if self.scale:
+            self.total += np.ldexp(grad, -self.scale).astype(self.total.dtype, copy=False)
+        else:
+            self.total += grad
+        self.count += 1
+
+    def average(self) -> np.ndarray:
+        average = self.total / np.asarray(self.count, self.total.dtype)
+        if self.scale:
+            with np.errstate(over="ignore"):  # not for an average of finite values
+                average = np.ldexp(average, self.scale).astype(self.total.dtype, copy=False)
+        return average
+
+
+def _magnitude_bound(grad: np.ndarray) -> float:
+    """A bound on the largest magnitude in `grad` (finite values), as a Python float."""
+    flat = grad.reshape(-1)
+    if not flat.size:
+        return 0.0
+    if flat.dtype in (np.float32, np.float64):
+        with np.errstate(over="ignore"):
+            norm = float(np.sqrt(np.dot(flat, flat)))
+        if np.isfinite(norm):
+            return norm
+    return max(abs(float(flat.max())), abs(float(flat.min())))
+
+
 @dataclass
 class _Step:
     """The sync step being combined: per shard, the sum of its gradients and their count."""
@@ -82,7 +138,7 @@ class _Step:
 
     # Summed as they come, one array per shard whatever the number of clients (an empty
     # push, a client's step with nothing for this server, adds to none).
-    sums: dict[tuple[str, int], list] = field(default_factory=dict)  # key -> [held, sum, n]
+    sums: dict[tuple[str, int], "StepSum"] = field(default_factory=dict)
 
     @property
     def clients(self) -> set[str]:
@@ -305,13 +361,11 @@ class StepGate:
             if key not in self._pending.contributions:  # else a retry: counted once
                 self._pending.contributions[key] = contribution
                 for held, grad in zip(targets, grads):
-                    entry = self._pending.sums.get(held.key)
-                    if entry is None:
-                        self._pending.sums[held.key] = [held, np.array(grad, copy=True), 1]
+                    total = self._pending.sums.get(held.key)
+                    if total is None:
+                        self._pending.sums[held.key] = StepSum(held, grad)
                     else:
-                        with np.errstate(over="ignore"):  # refused whole when applied
-                            entry[1] += grad
-                        entry[2] += 1
+                        total.add(grad)
             if copied is not None:
                 copied()
             self._maybe_apply()
@@ -343,9 +397,8 @@ class StepGate:
                 and self._members:
             return  # the first step: `replicas` clients have not all joined yet
         pending, self._pending = self._pending, _Step()
-        targets = [entry[0] for entry in pending.sums.values()]
-        averages = [entry[1] / np.asarray(entry[2], entry[1].dtype)
-                    for entry in pending.sums.values()]
+        targets = [total.held for total in pending.sums.values()]
+        averages = [total.average() for total in pending.sums.values()]
         try:
             left_out = self._apply_average(list(pending.contributions.values()), targets,
                                            averages)

@@ -281,8 +281,16 @@ class DynamicRows:
         self._last_tick = np.zeros(len(values), np.int64)
         self._last_time = np.full(len(values), now, np.float64)
         self._tick = 0
-        if last_use is None or not len(held):
-            return
+        if last_use is not None and len(held):
+            self._rebuild_lru(held, last_use, now)
+        # Rows saved by fewer servers are dealt to this shard by id: it may get more than
+        # its share of the capacity, which the least recently used give back.
+        over = len(self._index) - self.capacity
+        if self.capacity and over > 0:
+            self._evict_lru(over, keep=np.empty(0, np.int64))
+
+    def _rebuild_lru(self, held: np.ndarray, last_use: tuple[np.ndarray, np.ndarray],
+                     now: float) -> None:
         # fmax maps NaN to 0 too: a row used at the cut, never one past every ttl.
         age = np.fmax(np.asarray(last_use[0], np.float64)[held], 0.0)
         ago = np.asarray(last_use[1], np.int64)[held]

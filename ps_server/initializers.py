@@ -27,6 +27,11 @@ INITIALIZERS: dict[str, dict[str, float]] = {
 BLOCK_ELEMENTS = 1 << 16
 
 
+# A normal initializer's values stay within this many standard deviations of the mean
+# (a draw beyond 10 has a probability of about 1.5e-23): the span checked to fit the dtype.
+NORMAL_SPAN = 10.0
+
+
 def validate_initializer(spec: VariableSpec) -> None:
     init = spec.initializer
     if init.name not in INITIALIZERS:
@@ -67,10 +72,21 @@ def _check_finite_values(spec: VariableSpec) -> None:
                                   f"{key!r} = {knob:g} does not fit {spec.dtype} (largest "
                                   f"{largest:g})")
     if init.name == "uniform":
+        # The width multiplies values made in float32 (float64 for a float64 variable);
+        # the results, between minval and maxval, are what the variable's dtype holds.
+        made_in = "float64" if spec.dtype == "float64" else "float32"
         width = init.get("maxval", 0.05) - init.get("minval", -0.05)
-        if abs(width) > largest:
+        if abs(width) > float(np.finfo(made_in).max):
             raise InvalidArgument(f"variable {spec.name!r}: uniform's maxval - minval "
-                                  f"({width:g}) does not fit {spec.dtype}")
+                                  f"({width:g}) does not fit {made_in}, which its values are "
+                                  f"made in")
+    if init.name == "normal":
+        mean, stddev = init.get("mean", 0.0), init.get("stddev", 0.05)
+        if abs(mean) + NORMAL_SPAN * abs(stddev) > largest:
+            raise InvalidArgument(
+                f"variable {spec.name!r}: normal's mean {mean:g} and stddev {stddev:g} make "
+                f"values beyond {spec.dtype}'s largest ({largest:g}), which would be infinite: "
+                f"|mean| + {NORMAL_SPAN:g} x stddev must fit")
 
 
 def glorot_limit(shape: tuple[int, ...]) -> float:

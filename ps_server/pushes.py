@@ -229,18 +229,19 @@ class PushReceiver:
 
     def _refuse_non_finite_average(self, contributions: list[Contribution], targets,
                                    averages) -> None:
-        """Every gradient of the step was finite (each was checked as it came), but their
-        sum may have overflowed the variable's dtype: such a step is refused whole, as a
-        non-finite push is."""
+        """Every gradient of the step was finite (each was checked as it came), and their
+        sum is kept from overflowing (ps_server.consistency.StepSum): a non-finite average
+        would take a rounding at the very edge of the dtype's range. Such a step is refused
+        whole, as a non-finite push is, rather than applied."""
         if not self._store.refuses_non_finite(any(c.refuse_non_finite for c in contributions)):
             return
         for held, average in zip(targets, averages):
             if average.size and not all_finite(average):
                 raise InvalidArgument(
-                    f"variable {held.spec.name!r} shard {held.shard.index}: the sum of this sync "
-                    f"step's {len(contributions)} gradients overflows {held.spec.dtype} "
-                    "(each was finite); nothing of the step was applied (lower the learning "
-                    "rate or clip the gradients)")
+                    f"variable {held.spec.name!r} shard {held.shard.index}: the average of this "
+                    f"sync step's {len(contributions)} gradients is not finite in "
+                    f"{held.spec.dtype} (each was finite); nothing of the step was applied "
+                    "here (lower the learning rate or clip the gradients)")
 
 
 class FiniteOnArrival:

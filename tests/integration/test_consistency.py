@@ -309,22 +309,35 @@ def test_sync_a_push_whose_answer_was_lost_is_applied_once(make_cluster, spawn):
 # ---- bad input -----------------------------------------------------------------------------
 
 
-def test_sync_a_step_whose_sum_overflows_is_refused_whole_and_the_next_goes_on(
-        make_cluster, spawn):
+def test_sync_a_step_whose_sum_would_overflow_is_averaged_all_the_same(make_cluster, spawn):
+    """Two finite gradients of 3e38 sum past float32's largest value, but their average is
+    3e38: the step is applied as any other (ps_server.consistency.StepSum)."""
     cluster = make_cluster(servers=1)
     with sync_pair(cluster) as (a, b):
-        big = np.full(4, 3e38, np.float32)  # finite; two of them sum past float32's max
-        first = spawn(a.push, {"w": big})
-        second = spawn(b.push, {"w": big})
-        for call in (first, second):
-            with pytest.raises(RemoteError) as caught:
-                call.result()
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "overflows float32" in caught.value.details()
-        np.testing.assert_array_equal(a.pull("w"), np.zeros(4, np.float32))
+        big = np.full(4, 3e38, np.float32)
+        together(spawn, lambda: a.push({"w": big}), lambda: b.push({"w": big}))
+        np.testing.assert_array_equal(a.pull("w"), -big)
         together(spawn, lambda: a.push({"w": np.full(4, 1.0, np.float32)}),
                  lambda: b.push({"w": np.full(4, 3.0, np.float32)}))
-        np.testing.assert_array_equal(a.pull("w"), np.full(4, -2.0, np.float32))
+        np.testing.assert_array_equal(a.pull("w"), -big - 2.0)
+
+
+def test_sync_a_split_variable_whose_sum_would_overflow_on_one_server_is_applied_on_all(
+        make_cluster, spawn):
+    """Each server averages its own shards. A server that refused a step whose sum
+    overflowed refused only its shards while the variable's other servers applied theirs,
+    and every push still got INVALID_ARGUMENT, which says nothing was applied."""
+    cluster = make_cluster(servers=2, split_threshold_bytes=64)  # (8, 4) float32: 2 shards
+    with PSClient(cluster.coordinator_address) as a, PSClient(cluster.coordinator_address) as b:
+        a.declare("w", (8, 4), init="zeros", optimizer=sgd(1.0))
+        shards = a.refresh().shards_of("w")
+        assert len({s.server_id for s in shards}) == 2
+        for ps in (a, b):
+            ps.join_steps("sync", replicas=2)
+        grad = np.ones((8, 4), np.float32)
+        grad[shards[0].row_start:shards[0].row_stop] = 3e38  # two of them overflow float32
+        together(spawn, lambda: a.push({"w": grad}), lambda: b.push({"w": grad}))
+        np.testing.assert_array_equal(a.pull("w"), -grad)
 
 
 def test_join_steps_refuses_a_bad_mode_before_asking_any_server(make_cluster):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ps_common.rpc import RetryPolicy
-from ps_server.consistency import StepGate
+from ps_server.consistency import StepGate, StepSum
 from ps_server.testing import wait_until
 from ps_worker import PSClient, RemoteError
 
@@ -92,24 +92,30 @@ def push_while_leaving(spawn, client: PSClient, grads: dict, ready: threading.Ev
         leaver.result()
 
 
-def test_leave_steps_after_a_failed_sync_step_leaves_the_server(make_cluster, spawn):
-    """The documented overflow path (README, Consistency modes): a sync step whose sum
-    overflows is refused whole; each client forgets its step there (to ask again). b then
-    leaves the steps; a's next step must not wait for b."""
+def test_leave_steps_after_a_failed_sync_step_leaves_the_server(make_cluster, spawn,
+                                                                monkeypatch):
+    """A sync step the server refuses whole (here its average is made non-finite, which the
+    server refuses rather than apply): each client forgets its step there (to ask again).
+    b then leaves the steps; a's next step must not wait for b."""
     cluster, server = one_server_with_short_steps(make_cluster)
     with PSClient(cluster.coordinator_address) as a, \
             PSClient(cluster.coordinator_address) as b:
         a.declare("w", (4,), optimizer=sgd())
         for ps in (a, b):
             ps.join_steps("sync", replicas=2)
-        big = np.full(4, 3e38, np.float32)  # finite; two of them sum past float32's max
-        b_push = spawn(b.push, {"w": big})
+        real_average = StepSum.average
+        monkeypatch.setattr(StepSum, "average",
+                            lambda total: np.full_like(total.total, np.inf))
+        one = np.full(4, 1.0, np.float32)
+        b_push = spawn(b.push, {"w": one})
         with pytest.raises(RemoteError) as a_error:
-            a.push({"w": big})
+            a.push({"w": one})
         assert a_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(RemoteError) as b_error:
             b_push.result()
         assert b_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        monkeypatch.setattr(StepSum, "average", real_average)
+        np.testing.assert_array_equal(a.pull("w"), np.zeros(4, np.float32))
 
         b.leave_steps()
         assert b.mode == "async"
