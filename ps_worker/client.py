@@ -1532,9 +1532,9 @@ class PSClient:
             if step is None:
                 raise
             if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                # A sync step may have failed whole (its sum overflowed, say) and the server
-                # moved on to the next: the next push asks it where the steps are, instead of
-                # carrying a step already over (dropped as late).
+                # A sync step may have failed whole (an average the server would not apply,
+                # say) and the server moved on to the next: the next push asks it where the
+                # steps are, instead of carrying a step already over (dropped as late).
                 with self._lock:
                     if self._mode is not None and self._mode.kind == SYNC:
                         self._steps.pop(server_id, None)
