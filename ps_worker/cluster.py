@@ -498,8 +498,11 @@ def main(argv: list[str] | None = None) -> int:
                                 clock=time.monotonic, note=progress.note)
         outcome = _monitor(address, coordinator, workers, progress, args.keep_serving, chaos,
                            token, tls, seen)
-        if outcome.get("epochs") and outcome["epochs"] not in progress.reported and \
-                outcome.get("loss") is not None:  # the monitor missed the last status
+        # The monitor missed the last status: the last epoch's line, from the outcome. Only
+        # for a job that is done: a failed job's `epochs` is the one it stopped in, never over.
+        if outcome.get("state") == "done" and outcome.get("epochs") \
+                and outcome["epochs"] not in progress.reported \
+                and outcome.get("loss") is not None:
             progress.note(epoch_line(outcome["epochs"], job.epochs, loss=outcome["loss"],
                                      accuracy=outcome["train_accuracy"],
                                      test_accuracy=outcome["accuracy"],

@@ -887,6 +887,11 @@ class JobRunner:
                 "summaries": [{"epoch": s.epoch, "train": asdict(s.train),
                                "test": asdict(s.test) if s.test else None}
                               for s in self._summaries],
+                # Every incarnation's, the gone ones' too: the job's staleness and drops.
+                "step_reports": [{"worker_id": worker_id, "incarnation": incarnation,
+                                  **asdict(report)}
+                                 for (worker_id, incarnation), report
+                                 in self._step_reports.items()],
                 "workers": [{"worker_id": w.worker_id, "incarnation": w.incarnation,
                              "state": w.state.value, "reason": w.reason,
                              "died_at_s": (w.died_at - self._started_at
@@ -935,6 +940,11 @@ class JobRunner:
                                last_lease=(tuple(w["last_lease"]) if w.get("last_lease")
                                            else None)),
                         w["died_at_s"]) for w in state["workers"]]
+            # (a state saved before they were kept has none: live workers report again)
+            step_reports = {(r["worker_id"], int(r["incarnation"])): StepReport(
+                                float(r["wait_s"]), int(r["staleness_max"]),
+                                int(r["dropped_stale"]))
+                            for r in state.get("step_reports", [])}
             job_state, failure = JobState(state["state"]), state["failure"]
             resuming = job_state is JobState.FAILED and bool(state.get("resumable", False))
             counters = [state[k] for k in ("epoch", "issued", "tasks_done", "steps")]
@@ -979,6 +989,7 @@ class JobRunner:
             self._started_at = now - elapsed
             self._finished_at = now if finished else None
             self._summaries, self._tasks = summaries, tasks
+            self._step_reports = step_reports
             # A lease is not resumed: its holder may have finished the task with the
             # predecessor (the state saved lags a little) and will never report it again,
             # so it is handed out again; a late report from that holder still counts.
