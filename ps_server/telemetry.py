@@ -113,7 +113,10 @@ class CoordinatorCollector:
             workers[worker["state"]] = workers.get(worker["state"], 0) + 1
         for state, count in workers.items():
             members.add_metric(["worker", state], count)
-        members.add_metric(["client", "alive"], coordinator.clients.live_count())
+        # A ps-worker's PSClient takes its worker's incarnation instead of asking for one:
+        # the live workers' clients are counted with them.
+        members.add_metric(["client", "alive"],
+                           coordinator.clients.live_count() + workers.get("alive", 0))
         yield members
         job_state = GaugeMetricFamily(
             _name("job_state"), "1 for the job's state, 0 for the others (none: the "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["CHANCE_AUC", "roc_auc"]
+__all__ = ["CHANCE_AUC", "held_out_auc", "roc_auc"]
 
 # The AUC of scores that carry no information (random, or all equal).
 CHANCE_AUC = 0.5
@@ -49,3 +49,13 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
     # U = (sum of positive ranks) - n_pos (n_pos + 1) / 2, all doubled to stay integral.
     twice_u = twice_rank_sum - positives * (positives + 1)
     return twice_u / (2 * positives * negatives)
+
+
+def held_out_auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    """`roc_auc` of an evaluation, or None where a score is NaN (a model's outputs that
+    overflowed): a figure that is not a number is reported as none, as the job's other
+    figures are, instead of failing the evaluation (and with it the worker)."""
+    scores = np.asarray(scores)
+    if np.issubdtype(scores.dtype, np.floating) and np.isnan(scores).any():
+        return None
+    return roc_auc(scores, labels)

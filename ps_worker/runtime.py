@@ -41,7 +41,7 @@ from ps_worker.coordinator_client import (
     CoordinatorClient, CoordinatorUnreachable, LeasedTask, LeaseRevoked,
 )
 from ps_worker.data import Dataset, iter_batches, load_dataset, task_indices
-from ps_worker.metrics import roc_auc
+from ps_worker.metrics import held_out_auc
 from ps_worker.models import EmbeddingDef, build_model
 
 log = logging.getLogger("ps-worker")
@@ -475,7 +475,7 @@ class Trainer:
         # the device may still read them (the backend's contract; CuPy's waits anyway).
         self.backend.synchronize()
         if scores:
-            result.auc = roc_auc(np.concatenate(scores), self.dataset.y_test)
+            result.auc = held_out_auc(np.concatenate(scores), self.dataset.y_test)
         result.seconds = time.monotonic() - started
         return result
 

@@ -898,7 +898,8 @@ class JobRunner:
                                            if w.died_at is not None else None),
                              "tasks_done": w.tasks_done, "steps": w.steps,
                              "leased": sorted(w.leased),
-                             "last_lease": list(w.last_lease) if w.last_lease else None}
+                             "last_lease": list(w.last_lease) if w.last_lease else None,
+                             "data_path": w.data_path, "wait_s": w.wait_s}
                             for w in self._workers.values()],
             }
 
@@ -938,7 +939,9 @@ class JobRunner:
             workers = [(Worker(w["worker_id"], w["incarnation"], WorkerState(w["state"]), 0.0,
                                w["reason"], None, w["tasks_done"], w["steps"], set(w["leased"]),
                                last_lease=(tuple(w["last_lease"]) if w.get("last_lease")
-                                           else None)),
+                                           else None),
+                               data_path=str(w.get("data_path", "")),
+                               wait_s=float(w.get("wait_s", 0.0))),
                         w["died_at_s"]) for w in state["workers"]]
             # (a state saved before they were kept has none: live workers report again)
             step_reports = {(r["worker_id"], int(r["incarnation"])): StepReport(

@@ -56,6 +56,20 @@ def server_loads(current: ShardMap) -> dict[str, int]:
     return loads
 
 
+def held_bytes(current: ShardMap, server_id: str,
+               reported: dict[tuple[str, int], tuple[int, int, int]]) -> int:
+    """What a server holds: its shards' values and slots, and for a dynamic table's shard
+    what the server last reported of it (`reported`: (variable, index) -> (rows,
+    evictions, bytes)); such a shard grows with the ids seen, and placement charges it only
+    its share of the capacity, nothing when the table has none."""
+    total = 0
+    for shard in current.shards_on(server_id):
+        spec = current.variables[shard.variable]
+        total += (reported.get(shard.key, (0, 0, 0))[2] if spec.dynamic
+                  else footprint(spec, shard.num_rows))
+    return total
+
+
 def place(current: ShardMap, new_specs: list[VariableSpec], candidates: list[Candidate],
           *, split_threshold_bytes: int) -> ShardMap:
     """The map after adding `new_specs` (not yet in `current`), at epoch current.epoch + 1."""

@@ -10,7 +10,7 @@ from ps_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from ps_server.coordinator.assigner import Assigner
 from ps_server.coordinator.identity import ClientRegistry, Incarnations, RetiredLog
 from ps_server.coordinator.jobs import JobRunner, JobState, Metrics, StepReport
-from ps_server.coordinator.placement import server_loads
+from ps_server.coordinator.placement import held_bytes
 from ps_server.coordinator.state import CoordinatorState, HeldReport, ServerReport
 from ps_server.coordinator.status_watchers import StatusWatchers
 
@@ -221,10 +221,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self._watchers.read(context.peer(), snap["state"] in (
                     JobState.DONE, JobState.FAILED))
             shard_map = self._state.shard_map
-            loads = server_loads(shard_map)
             servers = [pb.ServerStatus(
                 server_id=m.server_id, address=m.address, state=state, heartbeat_age_s=age,
-                bytes=loads.get(m.server_id, 0), shards=len(shard_map.shards_on(m.server_id)),
+                bytes=held_bytes(shard_map, m.server_id, dict(m.tables)),
+                shards=len(shard_map.shards_on(m.server_id)),
                 synced_epoch=m.synced_epoch, state_losses=m.state_losses,
                 lost_shards=m.lost_shards, loss_action=m.loss_action)
                 for m, state, age in self._state.server_states()]

@@ -1,4 +1,5 @@
-"""roc_auc: exact, rank-based with ties averaged, against a brute-force pairwise count."""
+"""roc_auc: exact, rank-based with ties averaged, against a brute-force pairwise count; and an
+evaluation's AUC when its scores hold NaN."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from ps_worker.metrics import CHANCE_AUC, roc_auc
+from ps_worker.metrics import CHANCE_AUC, held_out_auc, roc_auc
 
 
 def pairwise_auc(scores, labels) -> Fraction:
@@ -79,3 +80,14 @@ def test_large_inputs_stay_exact() -> None:
     wins = 2 * int((positives * below).sum()) + int((positives * negatives).sum())
     expected = Fraction(wins, 2 * int(positives.sum()) * int(negatives.sum()))
     assert roc_auc(scores, labels) == float(expected)
+
+
+def test_an_evaluation_whose_scores_hold_nan_has_no_auc_instead_of_failing():
+    """A model whose held-out scores overflowed to NaN: roc_auc refuses NaN scores, and the
+    worker took that for the model breaking its contract, reported a job error and exited
+    after the job's tasks were done (the job then waited for workers that never came). The
+    evaluation's AUC is none instead, as any figure that is not a number is reported."""
+    labels = np.array([0, 1, 1, 0])
+    assert held_out_auc(np.array([0.1, np.nan, 0.8, 0.2]), labels) is None
+    assert held_out_auc(np.array([0.1, 0.9, 0.8, 0.2]), labels) == 1.0
+    assert held_out_auc(np.array([0.1, np.inf, 0.8, -np.inf]), labels) == 1.0
