@@ -261,7 +261,8 @@ def test_the_coordinator_collector_reads_members_progress_and_checkpoint_age(reg
     assert value(registry, "paramserve_members", role="server", state="dead") == 0
     assert value(registry, "paramserve_members", role="worker", state="alive") == 2
     assert value(registry, "paramserve_members", role="worker", state="dead") == 1
-    assert value(registry, "paramserve_members", role="client", state="alive") == 2
+    # The 2 PSClients that asked for an incarnation, and the 2 live workers' own.
+    assert value(registry, "paramserve_members", role="client", state="alive") == 4
     assert value(registry, "paramserve_job_state", state="running") == 1
     assert value(registry, "paramserve_job_state", state="done") == 0
     assert value(registry, "paramserve_job_progress_ratio") == 0.25
