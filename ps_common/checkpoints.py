@@ -199,8 +199,12 @@ class _HashingFile:
         return FileRecord(self.path.name, self._bytes, self._hash.hexdigest())
 
     def abort(self) -> None:
-        self._file.close()
-        self._tmp.unlink(missing_ok=True)
+        try:
+            self._file.close()  # flushes what is buffered: on a full disk, that fails too
+        except OSError:
+            pass
+        finally:
+            self._tmp.unlink(missing_ok=True)
 
 
 def write_file(path: Path, data: bytes) -> FileRecord:

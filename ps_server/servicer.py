@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ps_common.errors import CheckpointFailed, InvalidArgument
+from ps_common.errors import CheckpointFailed, InvalidArgument, ResourceExhausted
 from ps_common.consistency import parse_mode
 from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_common.status import translate_errors
@@ -246,7 +246,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 log.warning("no shared-memory push slot of %d bytes for %s (%s): its "
                             "pushes go over gRPC", request.slot_bytes, connection.client_id,
                             error.strerror or error)
-                return pb.PushSharedReply()
+                # RESOURCE_EXHAUSTED: the client asks for no more slots on this connection
+                # (an empty answer would have it ask again with every push).
+                raise ResourceExhausted(f"no room for a shared-memory push slot of "
+                                 f"{request.slot_bytes} bytes ({error.strerror or error}): "
+                                 f"pushes go over gRPC") from None
             if made is None:  # the connection ended meanwhile
                 return pb.PushSharedReply(connection_lost=True)
             return pb.PushSharedReply(slot=made[0], segment=made[1].name)

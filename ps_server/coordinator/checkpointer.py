@@ -10,6 +10,7 @@ at a time. No grpc here: `save_on(member, directory, epoch)` is the call to one 
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from concurrent import futures
@@ -148,6 +149,7 @@ class Checkpointer:
             directory = new_checkpoint_dir(self.catalog.root)
         except OSError as error:
             raise _unwritable(self.catalog.root, error) from error
+        parts: dict[str, futures.Future] = {}
         try:
             parts = {sid: self._pool.submit(self._save_on, sid, shard_map.servers.get(sid, ""),
                                             directory, shard_map.epoch) for sid in holders}
@@ -186,6 +188,11 @@ class Checkpointer:
             except OSError as error:
                 raise _unwritable(directory, error) from error
         except BaseException:
+            # This attempt's files go (once no server writes them any more): a directory
+            # without a manifest is never read, and on a disk that filled up they would take
+            # the room every later checkpoint needs.
+            futures.wait(parts.values())
+            shutil.rmtree(directory, ignore_errors=True)
             # Neither the newest checkpoint taken nor the one restores come from now (an
             # older one, after a fall-back) may go, whatever --keep-checkpoints says.
             current = self.catalog.current()
