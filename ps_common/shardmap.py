@@ -20,6 +20,24 @@ from ps_common.rows import hash_ids
 STORED_DTYPES = ("float32", "float64", "float16")
 
 
+# Every knob of each optimizer and initializer, with its default. A spec holds them all
+# (VariableSpec fills in those not given): `optimizer="adam"` and the same with its default
+# `lr` spelled out are one spec, to a second declaration and to a restore from a checkpoint.
+OPTIMIZER_KNOBS: dict[str, dict[str, float]] = {
+    "sgd": {"lr": 0.01, "weight_decay": 0.0},
+    "momentum": {"lr": 0.01, "momentum": 0.9, "nesterov": 0.0, "weight_decay": 0.0},
+    "adagrad": {"lr": 0.01, "initial_accumulator": 0.1, "eps": 1e-7, "weight_decay": 0.0},
+    "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+}
+INITIALIZER_KNOBS: dict[str, dict[str, float]] = {
+    "zeros": {},
+    "constant": {"value": 0.0},
+    "uniform": {"minval": -0.05, "maxval": 0.05},
+    "normal": {"mean": 0.0, "stddev": 0.05},
+    "glorot_uniform": {},
+}
+
+
 @dataclass(frozen=True)
 class Component:
     """An initializer or optimizer: a name and numeric knobs (booleans as 0.0 / 1.0)."""
@@ -53,6 +71,15 @@ class Component:
 
     def get(self, key: str, default: float) -> float:
         return dict(self.params).get(key, default)
+
+    def with_defaults(self, knobs: dict[str, dict[str, float]]) -> "Component":
+        """This component with every knob `knobs` gives its name, defaults filled in; as it
+        is when the name or a knob is unknown (refused where components are checked)."""
+        defaults = knobs.get(self.name)
+        given = dict(self.params)
+        if defaults is None or not set(given) <= set(defaults):
+            return self
+        return Component(self.name, tuple(sorted({**defaults, **given}.items())))
 
     def describe(self) -> str:
         knobs = ", ".join(f"{k}={v:g}" for k, v in self.params)
@@ -88,11 +115,21 @@ class VariableSpec:
         if not isinstance(self.name, str):
             raise InvalidArgument(f"variable name must be a str, got {type(self.name).__name__} "
                                   f"{self.name!r}")
+        for attribute, knobs in (("initializer", INITIALIZER_KNOBS),
+                                 ("optimizer", OPTIMIZER_KNOBS)):
+            component = getattr(self, attribute)
+            if isinstance(component, Component):
+                object.__setattr__(self, attribute, component.with_defaults(knobs))
         if not self.name:
             raise InvalidArgument("variable name must not be empty")
         if not 0 <= self.seed < 2**63:  # an int64 on the wire
             raise InvalidArgument(f"variable {self.name!r}: seed {self.seed} must be >= 0 and "
                                   "below 2**63")
+        for what, sizes in (("shape", self.shape), ("capacity", (self.capacity,))):
+            if any(size >= 2**63 for size in sizes):  # int64s on the wire
+                raise InvalidArgument(f"variable {self.name!r}: {what} "
+                                      f"{sizes if what == 'shape' else sizes[0]} has a size of "
+                                      "2**63 or more")
         if self.kind not in KINDS:
             raise InvalidArgument(f"variable {self.name!r}: kind {self.kind!r} is not one of "
                                   f"{KINDS}")

@@ -14,16 +14,10 @@ import numpy as np
 
 from ps_common.errors import InvalidArgument
 from ps_common.rows import check_ids, id_normal, id_uniform
-from ps_common.shardmap import STORED_DTYPES, Component, VariableSpec
+from ps_common.shardmap import INITIALIZER_KNOBS, STORED_DTYPES, Component, VariableSpec
 
 # knob -> default, per initializer
-INITIALIZERS: dict[str, dict[str, float]] = {
-    "zeros": {},
-    "constant": {"value": 0.0},
-    "uniform": {"minval": -0.05, "maxval": 0.05},
-    "normal": {"mean": 0.0, "stddev": 0.05},
-    "glorot_uniform": {},
-}
+INITIALIZERS = INITIALIZER_KNOBS
 BLOCK_ELEMENTS = 1 << 16
 
 

@@ -20,17 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ps_common.errors import InvalidArgument
-from ps_common.shardmap import VariableSpec
+from ps_common.shardmap import OPTIMIZER_KNOBS, VariableSpec
 
 BLOCK_ELEMENTS = 1 << 16
 
 # knob -> default, per optimizer
-OPTIMIZERS: dict[str, dict[str, float]] = {
-    "sgd": {"lr": 0.01, "weight_decay": 0.0},
-    "momentum": {"lr": 0.01, "momentum": 0.9, "nesterov": 0.0, "weight_decay": 0.0},
-    "adagrad": {"lr": 0.01, "initial_accumulator": 0.1, "eps": 1e-7, "weight_decay": 0.0},
-    "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
-}
+OPTIMIZERS = OPTIMIZER_KNOBS
 SLOTS: dict[str, tuple[str, ...]] = {
     "sgd": (), "momentum": ("accumulator",), "adagrad": ("accumulator",), "adam": ("m", "v"),
 }

@@ -586,10 +586,11 @@ class PSClient:
         Raises RemoteError as `declare` does."""
         try:
             spec = VariableSpec(
-                name=name, shape=(0 if num_rows is None else int(num_rows), int(dim)),
+                name=name, shape=(0 if num_rows is None else _whole(num_rows, "num_rows"),
+                                  _whole(dim, "dim")),
                 dtype=str(dtype), initializer=Component.of(init),
-                optimizer=Component.of(optimizer), seed=int(seed), kind=EMBEDDING,
-                capacity=0 if capacity is None else int(capacity),
+                optimizer=Component.of(optimizer), seed=_whole(seed, "seed"), kind=EMBEDDING,
+                capacity=0 if capacity is None else _whole(capacity, "capacity"),
                 ttl_seconds=0.0 if ttl_seconds is None else float(ttl_seconds))
             if num_rows is not None and int(num_rows) < 1:
                 raise InvalidArgument(f"embedding table {name!r}: num_rows must be >= 1, or "
@@ -607,8 +608,9 @@ class PSClient:
     def _spec(name, shape, dtype, init, optimizer, seed) -> VariableSpec:
         try:
             return VariableSpec(
-                name=name, shape=tuple(int(d) for d in np.atleast_1d(shape)), dtype=str(dtype),
-                initializer=Component.of(init), optimizer=Component.of(optimizer), seed=int(seed))
+                name=name, shape=tuple(_whole(d, "shape") for d in np.atleast_1d(shape)),
+                dtype=str(dtype), initializer=Component.of(init),
+                optimizer=Component.of(optimizer), seed=_whole(seed, "seed"))
         except InvalidArgument as error:
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
         except (TypeError, ValueError) as error:  # int("abc"), say: a field of the wrong type
@@ -746,6 +748,9 @@ class PSClient:
         if out is None or spec.name not in out:
             return np.empty(spec.shape, spec.dtype)
         given = out[spec.name]
+        if not isinstance(given, np.ndarray):
+            raise ValueError(f"out[{spec.name!r}] must be a writable C-contiguous {spec.dtype} "
+                             f"array of shape {spec.shape}, got {type(given).__name__}")
         if (tuple(given.shape) != spec.shape or given.dtype != np.dtype(spec.dtype)
                 or not given.flags.c_contiguous or not given.flags.writeable):
             raise ValueError(
@@ -1052,6 +1057,10 @@ class PSClient:
         shape = (count, spec.shape[1])
         if out is None:
             return np.empty(shape, spec.dtype)
+        if not isinstance(out, np.ndarray):  # pull's mapping of names, say
+            raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"out must be a writable C-contiguous {spec.dtype} array of shape "
+                               f"{shape} for table {spec.name!r}, got {type(out).__name__}")
         if (tuple(out.shape) != shape or out.dtype != np.dtype(spec.dtype)
                 or not out.flags.c_contiguous or not out.flags.writeable):
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
@@ -1819,6 +1828,15 @@ class PSClient:
             futures.wait(pending)  # none may still be running when this returns or raises
         for future in pending:
             future.result()
+
+
+def _whole(value, what: str) -> int:
+    """`value` as an int: 3, np.int64(3), 3.0 and 1e6 are whole numbers; 2.5 is refused
+    (ValueError naming `what`) rather than cut down to 2."""
+    number = int(value)  # TypeError or ValueError for what is no number at all
+    if number != value:
+        raise ValueError(f"{what} {value!r} is not a whole number")
+    return number
 
 
 def _check_out_mapping(out) -> None:

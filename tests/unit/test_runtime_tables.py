@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ps_common.job import JobSpec
-from ps_common.shardmap import Component
+from ps_common.shardmap import OPTIMIZER_KNOBS, Component
 from ps_worker.backend import NumpyBackend
 from ps_worker.coordinator_client import LeasedTask
 from ps_worker.data import iter_batches, load_dataset, task_indices
@@ -115,6 +115,12 @@ def task(index: int, epoch: int = 0, tasks: int = 4) -> LeasedTask:
     return LeasedTask(task_id=1, kind="train", epoch=epoch, index=index, tasks_per_epoch=tasks)
 
 
+def optimizer(knobs: dict) -> Component:
+    """The optimizer of a spec declared with `knobs`: every knob, those not given at their
+    defaults."""
+    return Component.of(knobs).with_defaults(OPTIMIZER_KNOBS)
+
+
 def test_tables_are_declared_as_embedding_specs_with_their_optimizer_and_seed() -> None:
     class TwoTables:
         def variables(self):
@@ -129,14 +135,15 @@ def test_tables_are_declared_as_embedding_specs_with_their_optimizer_and_seed() 
     job = JobSpec(optimizer="adam", lr=0.003, seed=7)
     dense, fixed, hashed = variable_specs(TwoTables(), job)
     assert (dense.kind, dense.shape, dense.seed) == ("dense", (3, 1), 8)
-    assert dense.optimizer == Component.of({"name": "adam", "lr": 0.003})
+    # (a spec holds every knob: the ones not given at their defaults)
+    assert dense.optimizer == optimizer({"name": "adam", "lr": 0.003})
     assert (fixed.kind, fixed.shape, fixed.seed, fixed.capacity) == ("embedding", (10, 4), 12, 0)
-    assert fixed.optimizer == Component.of({"name": "adagrad", "lr": 0.1})
+    assert fixed.optimizer == optimizer({"name": "adagrad", "lr": 0.1})
     assert fixed.initializer == Component.of({"name": "uniform", "minval": -0.05, "maxval": 0.05})
     assert (hashed.kind, hashed.shape, hashed.capacity, hashed.ttl_seconds) == (
         "embedding", (0, 2), 100, 30.0)
     assert hashed.dynamic and hashed.optimizer == dense.optimizer  # no override: the job's
-    assert hashed.initializer == Component.of({"name": "normal", "stddev": 0.01})
+    assert hashed.initializer == Component.of({"name": "normal", "mean": 0.0, "stddev": 0.01})
 
 
 def test_each_step_pulls_and_pushes_each_distinct_id_of_its_batch_once() -> None:
