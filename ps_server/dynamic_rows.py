@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from ps_common.errors import InvalidArgument
+from ps_common.errors import InvalidArgument, ResourceExhausted
 
 # Slots holding each pool row's id and whether the row is in use (1) or free (0); saved in
 # checkpoints with the others.
@@ -221,8 +221,16 @@ class DynamicRows:
         if self.capacity:
             size = max(min(size, self.capacity), at_least)
         admitted = None
-        if self._admit is not None:
-            admitted = self._admit((size - old) * (self.row_bytes + ROW_OVERHEAD_BYTES))
+        while self._admit is not None:
+            try:
+                admitted = self._admit((size - old) * (self.row_bytes + ROW_OVERHEAD_BYTES))
+                break
+            except ResourceExhausted:
+                # No room to double: as much more as fits, down to what is needed now, so
+                # that the table grows until its server's budget is full.
+                if size <= at_least:
+                    raise
+                size = max(at_least, old + (size - old) // 2)
 
         def grown(array: np.ndarray, fill) -> np.ndarray:
             bigger = np.empty((size, *array.shape[1:]), array.dtype)

@@ -47,12 +47,24 @@ def shard_rows(spec: VariableSpec, shard: Shard) -> int:
     return shard.num_rows
 
 
-def server_loads(current: ShardMap) -> dict[str, int]:
+# What each server last reported of its dynamic tables' shards: server id -> (variable,
+# index) -> (rows, evictions, bytes).
+Reported = dict[str, dict[tuple[str, int], tuple[int, int, int]]]
+
+
+def server_loads(current: ShardMap, reported: Reported | None = None) -> dict[str, int]:
+    """What placement charges each server: its shards' values and slots; a dynamic table's
+    shard its share of the capacity, or what the server reported it holds where that is
+    more (an uncapped table's share is 0, and it grows with the ids seen)."""
+    reported = reported or {}
     loads: dict[str, int] = {}
     for name, shards in current.shards.items():
         spec = current.variables[name]
         for s in shards:
-            loads[s.server_id] = loads.get(s.server_id, 0) + footprint(spec, shard_rows(spec, s))
+            cost = footprint(spec, shard_rows(spec, s))
+            if spec.dynamic:
+                cost = max(cost, reported.get(s.server_id, {}).get(s.key, (0, 0, 0))[2])
+            loads[s.server_id] = loads.get(s.server_id, 0) + cost
     return loads
 
 
@@ -71,11 +83,12 @@ def held_bytes(current: ShardMap, server_id: str,
 
 
 def place(current: ShardMap, new_specs: list[VariableSpec], candidates: list[Candidate],
-          *, split_threshold_bytes: int) -> ShardMap:
-    """The map after adding `new_specs` (not yet in `current`), at epoch current.epoch + 1."""
+          *, split_threshold_bytes: int, reported: Reported | None = None) -> ShardMap:
+    """The map after adding `new_specs` (not yet in `current`), at epoch current.epoch + 1;
+    `reported` as for server_loads."""
     if not candidates:
         raise NotReady("no parameter server is registered and alive yet; retry when one is")
-    loads = server_loads(current)
+    loads = server_loads(current, reported)
     for c in candidates:
         loads.setdefault(c.server_id, 0)
     budgets = {c.server_id: c.budget_bytes for c in candidates}

@@ -646,7 +646,7 @@ class CoordinatorState:
                 and m.server_id not in self._frozen and m.server_id != server_id]
         if not live or not all(self._restorable(s) for s in shards):
             return self._time_out(server_id, address, holds)
-        loads = server_loads(self._map)
+        loads = server_loads(self._map, self._reported_tables())
         load = {m.server_id: loads.get(m.server_id, 0) for m in live}
         budget = {m.server_id: m.budget_bytes for m in live}
 
@@ -733,6 +733,11 @@ class CoordinatorState:
         loss."""
         return self.declare_new(specs)[0]
 
+    def _reported_tables(self) -> dict:
+        """Expects the lock held: each server's last report of its dynamic tables' shards
+        (placement charges an uncapped table what it holds)."""
+        return {m.server_id: dict(m.tables) for m in self._servers.values()}
+
     def declare_new(self, specs: list[VariableSpec]) -> tuple[ShardMap, list[str]]:
         """`declare`, also returning the names this call placed."""
         seen: dict[str, VariableSpec] = {}
@@ -782,7 +787,8 @@ class CoordinatorState:
                 self._expected_servers_seen = True
             candidates = [c for c in candidates if c.server_id not in self._frozen]
             placed = place(self._map, new, candidates,
-                           split_threshold_bytes=self._split_threshold)
+                           split_threshold_bytes=self._split_threshold,
+                           reported=self._reported_tables())
             self._map = replace(placed, epoch=self._next_epoch())
             for spec in new:
                 self._placed_at[spec.name] = self._map.epoch

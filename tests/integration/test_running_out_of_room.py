@@ -1,5 +1,6 @@
-"""What happens when a resource runs out, and after: a disk that fills up under a checkpoint,
-and /dev/shm without room for a push slot. Each test names the promise it checks. Resources
+"""What happens when a resource runs out, and after: a server's memory budget beside an
+uncapped dynamic table, a disk that fills up under a checkpoint, and /dev/shm without room
+for a push slot. Each test names the promise it checks. Resources
 run out by monkeypatching the call that would fail (ENOSPC), never by filling a real disk, so
 that nothing here depends on the machine's sizes or on timing."""
 
@@ -10,6 +11,7 @@ import io
 import os
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -17,10 +19,12 @@ from ps_common import checkpoints
 from ps_common import shm
 from ps_common.checkpoints import MANIFEST, checkpoint_ids, write_file
 from ps_common.errors import CheckpointFailed
+from ps_common.shardmap import owners_of
 from ps_server import shared_memory as server_shm
 from ps_server import snapshots
+from ps_server.coordinator.placement import footprint
 from ps_server.testing import wait_until
-from ps_worker import PSClient
+from ps_worker import PSClient, RemoteError
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 BUDGET = 1_000_000
@@ -48,6 +52,80 @@ def wait_until_reported(cluster, server_id: str, rows: int) -> None:
 
 
 # ---- the memory budget and uncapped dynamic tables ----------------------------------------
+
+def test_placement_counts_what_an_uncapped_table_holds_and_picks_the_server_with_room(
+        make_cluster):
+    """README: new variables are placed "least loaded first (values plus optimizer slots),
+    never past a server's --memory-budget". An uncapped dynamic table's rows are values on
+    its server like any other, but placement charges them nothing (server_loads ->
+    shard_rows is 0 for an uncapped table), so a server whose table filled half of its
+    budget still looks empty: the next variable lands there, past the budget, although the
+    other server holds nothing."""
+    cluster = make_cluster(servers=2, memory_budget_bytes=BUDGET)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("open", dim=DIM, init="zeros", optimizer=SGD1)  # uncapped
+        spec = ps.shard_map.variables["open"]
+        (on_first,) = [s.index for s in ps.shard_map.shards_of("open")
+                       if s.server_id == "ps-0"]
+        ids = np.arange(20_000, dtype=np.int64)
+        mine = ids[owners_of(spec, ids, 2) == on_first][:2048]
+        push_new_rows(ps, "open", mine)  # 2,048 rows on ps-0 only: 542,720 bytes held
+        first = next(s for s in cluster.servers if s.server_id == "ps-0")
+        assert first.store.nbytes() > BUDGET // 2
+        wait_until_reported(cluster, "ps-0", len(mine))
+        ps.declare("w", shape=(150_000,), init="zeros", optimizer=SGD1)  # 600,000 bytes
+        holder = ps.shard_map.shards_of("w")[0].server_id
+        held = {s.server_id: s.store.nbytes() for s in cluster.servers}
+    assert all(b <= BUDGET for b in held.values()), (
+        f"bytes held per server {held} with --memory-budget {BUDGET}: 'w' was placed on "
+        f"{holder}")
+    assert holder == "ps-1"
+
+
+def test_a_declare_onto_a_server_an_uncapped_table_filled_is_refused(make_cluster):
+    """README: "A declare no server can hold is refused with RESOURCE_EXHAUSTED before the
+    shard map changes". One server, whose uncapped table holds 542,720 of its 1,000,000
+    bytes: a variable of 600,000 bytes does not fit, yet it is placed and created."""
+    cluster = make_cluster(servers=1, memory_budget_bytes=BUDGET)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("open", dim=DIM, init="zeros", optimizer=SGD1)
+        push_new_rows(ps, "open", np.arange(2048, dtype=np.int64))
+        wait_until_reported(cluster, "ps-0", 2048)
+        try:
+            ps.declare("w", shape=(150_000,), init="zeros", optimizer=SGD1)
+            outcome = "declared"
+        except RemoteError as error:
+            outcome = error.code()
+        held = cluster.servers[0].store.nbytes()
+    assert outcome == grpc.StatusCode.RESOURCE_EXHAUSTED, (outcome, held)
+    assert held <= BUDGET
+
+
+def test_an_uncapped_table_grows_until_the_budget_is_full(make_cluster):
+    """README: an uncapped table "grows until the rest of its server's budget is full, after
+    which requests that need new rows get RESOURCE_EXHAUSTED". Its pool grows by doubling
+    (DynamicRows._grow), and a doubling the budget refuses is not tried smaller: with 2,048
+    rows held (542,720 of 1,000,000 bytes) a push of 256 new rows is refused, although the
+    server has room for them (and for twice as many) at placement's own charge per row."""
+    cluster = make_cluster(servers=1, memory_budget_bytes=BUDGET)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("open", dim=DIM, init="zeros", optimizer=SGD1)
+        spec = ps.shard_map.variables["open"]
+        refused = None
+        for start in range(0, 64 * BATCH, BATCH):
+            try:
+                push_new_rows(ps, "open", np.arange(start, start + BATCH, dtype=np.int64))
+            except RemoteError as error:
+                refused = error
+                break
+    assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    (stats,) = cluster.servers[0].store.table_stats()
+    room_for_two_more = footprint(spec, stats.rows + 2 * BATCH)
+    assert room_for_two_more > BUDGET, (
+        f"refused at {stats.rows} rows ({cluster.servers[0].store.nbytes()} bytes held): "
+        f"{stats.rows + 2 * BATCH} rows cost {room_for_two_more} bytes at placement's "
+        f"charge, within the budget of {BUDGET}")
+
 
 def test_a_checkpoint_that_fails_on_a_full_disk_leaves_none_of_its_files(make_cluster, tmp_path,
                                                                         monkeypatch):
