@@ -140,8 +140,11 @@ def _digest_of(doc: dict) -> str:
 
 def spec_to_json(spec: VariableSpec) -> dict:
     return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype,
-            "initializer": {"name": spec.initializer.name, **dict(spec.initializer.params)},
-            "optimizer": {"name": spec.optimizer.name, **dict(spec.optimizer.params)},
+            # As written (only knobs that differ from their defaults), as older versions
+            # wrote them: they take a spec with its defaults spelled out for another one.
+            "initializer": {"name": spec.initializer.name,
+                            **dict(spec.written_initializer.params)},
+            "optimizer": {"name": spec.optimizer.name, **dict(spec.written_optimizer.params)},
             "seed": spec.seed,
             # Dense variables' documents are as before embedding tables existed.
             **({} if not spec.is_table else {"kind": spec.kind, "capacity": spec.capacity,

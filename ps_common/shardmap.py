@@ -81,6 +81,14 @@ class Component:
             return self
         return Component(self.name, tuple(sorted({**defaults, **given}.items())))
 
+    def without_defaults(self, knobs: dict[str, dict[str, float]]) -> "Component":
+        """This component with only the knobs that differ from their defaults: how it goes
+        on the wire, into checkpoints and into messages (as older peers and files wrote it,
+        and shorter to read)."""
+        defaults = knobs.get(self.name, {})
+        return Component(self.name, tuple((k, v) for k, v in self.params
+                                          if k not in defaults or defaults[k] != v))
+
     def describe(self) -> str:
         knobs = ", ".join(f"{k}={v:g}" for k, v in self.params)
         return f"{self.name}({knobs})"
@@ -185,6 +193,16 @@ class VariableSpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
+    @property
+    def written_initializer(self) -> Component:
+        """The initializer as written (Component.without_defaults)."""
+        return self.initializer.without_defaults(INITIALIZER_KNOBS)
+
+    @property
+    def written_optimizer(self) -> Component:
+        """The optimizer as written (Component.without_defaults)."""
+        return self.optimizer.without_defaults(OPTIMIZER_KNOBS)
+
     def describe(self) -> str:
         table = ""
         if self.is_table:
@@ -192,7 +210,8 @@ class VariableSpec:
                                     f"ttl_seconds={self.ttl_seconds:g}" if self.dynamic else "")
         return (
             f"{self.name}: shape={list(self.shape)} dtype={self.dtype}{table} "
-            f"init={self.initializer.describe()} optimizer={self.optimizer.describe()} "
+            f"init={self.written_initializer.describe()} "
+            f"optimizer={self.written_optimizer.describe()} "
             f"seed={self.seed}"
         )
 
