@@ -140,8 +140,8 @@ def _digest_of(doc: dict) -> str:
 
 def spec_to_json(spec: VariableSpec) -> dict:
     return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype,
-            # As written (only knobs that differ from their defaults), as older versions
-            # wrote them: they take a spec with its defaults spelled out for another one.
+            # As declared, as older versions wrote them: they take a spec with its defaults
+            # spelled out (or left out) for another one.
             "initializer": {"name": spec.initializer.name,
                             **dict(spec.written_initializer.params)},
             "optimizer": {"name": spec.optimizer.name, **dict(spec.written_optimizer.params)},

@@ -118,6 +118,10 @@ class VariableSpec:
     kind: str = DENSE
     capacity: int = 0
     ttl_seconds: float = 0.0
+    # The initializer and optimizer as given (not compared): how the spec is written on the
+    # wire and in checkpoints, as older versions, which compare knob for knob, wrote it.
+    written_initializer: Component = field(init=False, compare=False, repr=False)
+    written_optimizer: Component = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -126,6 +130,7 @@ class VariableSpec:
         for attribute, knobs in (("initializer", INITIALIZER_KNOBS),
                                  ("optimizer", OPTIMIZER_KNOBS)):
             component = getattr(self, attribute)
+            object.__setattr__(self, f"written_{attribute}", component)
             if isinstance(component, Component):
                 object.__setattr__(self, attribute, component.with_defaults(knobs))
         if not self.name:
@@ -193,16 +198,6 @@ class VariableSpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
-    @property
-    def written_initializer(self) -> Component:
-        """The initializer as written (Component.without_defaults)."""
-        return self.initializer.without_defaults(INITIALIZER_KNOBS)
-
-    @property
-    def written_optimizer(self) -> Component:
-        """The optimizer as written (Component.without_defaults)."""
-        return self.optimizer.without_defaults(OPTIMIZER_KNOBS)
-
     def describe(self) -> str:
         table = ""
         if self.is_table:
@@ -210,8 +205,8 @@ class VariableSpec:
                                     f"ttl_seconds={self.ttl_seconds:g}" if self.dynamic else "")
         return (
             f"{self.name}: shape={list(self.shape)} dtype={self.dtype}{table} "
-            f"init={self.written_initializer.describe()} "
-            f"optimizer={self.written_optimizer.describe()} "
+            f"init={self.initializer.without_defaults(INITIALIZER_KNOBS).describe()} "
+            f"optimizer={self.optimizer.without_defaults(OPTIMIZER_KNOBS).describe()} "
             f"seed={self.seed}"
         )
 

@@ -80,23 +80,28 @@ class StepSum:
     float32, two of 40,000 in float16): a server that refused such a step would refuse only
     its own shards while the variable's other servers applied theirs. So the sum is held as
     `total * 2**scale`: `scale` stays 0 (the plain sum, bit for bit) while a bound on
-    `total`'s magnitude fits the dtype, and grows, halving `total` (exact but for
-    subnormals), before an add could overflow. The bound adds up each gradient's largest
-    magnitude, or its Euclidean norm (one BLAS pass, at least as large) where that is
-    finite, in the units of `total`."""
+    `total`'s magnitude stays within half the dtype's range (the other half a margin for
+    the adds' rounding), and grows, halving `total` (exact but for subnormals), before an
+    add could overflow. The bound adds up each gradient's largest magnitude, or its
+    Euclidean norm (one BLAS pass, at least as large) where that is finite, in the units of
+    `total`. A non-finite gradient (a server and client that allow them) is summed plainly:
+    no scale keeps it finite."""
 
     def __init__(self, held, grad: np.ndarray):
         self.held = held
         self.total = np.array(grad, copy=True)
         self.count = 1
         self.scale = 0
-        self._limit = float(np.finfo(self.total.dtype).max)
+        self._limit = float(np.finfo(self.total.dtype).max) / 2
         self._bound = _magnitude_bound(self.total)
 
     def add(self, grad: np.ndarray) -> None:
         more = _magnitude_bound(grad) * 0.5 ** self.scale
+        if not (np.isfinite(more) and np.isfinite(self._bound)):
+            self._bound = float("inf")  # non-finite values: nothing to keep finite
+            more = 0.0
         # Each term is at most the dtype's largest value: halving both ends the loop.
-        while self._bound + more > self._limit:
+        while np.isfinite(self._bound) and self._bound + more > self._limit:
             self.total *= 0.5
             self.scale += 1
             self._bound *= 0.5

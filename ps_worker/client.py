@@ -917,6 +917,7 @@ class PSClient:
         and before anything is sent, and returns the pulls to make along with it
         ({server_id: _PullAlong}), which go with the push to their server where its push
         is one message (none when the push takes several rounds of calls)."""
+        self._refuse_in_forked_child()  # before any lock a parent's thread may hold
         ids = self._row_ids(name, ids)
         with self._lock:
             if self._mode is not None and self._mode.kind == SYNC:
@@ -1320,6 +1321,7 @@ class PSClient:
         step, so that the others' pulls after it see them (as ps-worker does).
         Raises ValueError for a bad mode, RemoteError FAILED_PRECONDITION when other
         clients take part in another mode."""
+        self._refuse_in_forked_child()  # before any lock a parent's thread may hold
         parsed = parse_mode(mode, what="join_steps mode")
         if not parsed.stepped:
             self.leave_steps()
@@ -1346,6 +1348,7 @@ class PSClient:
         server waits for this one). Waits for push_async pushes in flight first; a push
         made meanwhile in another thread lands in its step, or after the leave as a push
         that waits for nobody, and only once either way."""
+        self._refuse_in_forked_child()  # before any lock a parent's thread may hold
         with self._lock:
             mode = self._mode
             self._mode, self._steps = None, {}
@@ -1415,6 +1418,7 @@ class PSClient:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every push_async issued so far; raise the first error among them."""
+        self._refuse_in_forked_child()  # before any lock a parent's thread may hold
         with self._lock:
             pending = list(self._pending)
         done, not_done = futures.wait(pending, timeout=timeout)

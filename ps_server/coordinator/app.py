@@ -40,6 +40,9 @@ STATE_SAVE_INTERVAL_S = 0.5
 # completions and clients. Workers beyond that poll, as every worker did before.
 HANDLER_THREADS = 16
 MAX_WAITING_LEASES = 8
+# How long stop() waits for a checkpoint being taken to end (its servers' calls are cut off
+# by then) before it lets the checkpoint directory go.
+CHECKPOINT_STOP_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,13 @@ class Coordinator:
             self.checkpointer.close()
         self._daemon.stop(self.config.grace_s if grace_s is None else grace_s)
         self._assigner.close()
+        # The directories go to whoever locks them next only once no checkpoint of this
+        # coordinator writes, removes or prunes there any more.
+        if self.checkpointer is not None and not self.checkpointer.wait_idle(
+                CHECKPOINT_STOP_WAIT_S):
+            log.warning("a checkpoint was still being taken %g s after the stop began; "
+                        "letting the checkpoint directory go all the same",
+                        CHECKPOINT_STOP_WAIT_S)
         self._release_directories()
 
     def _release_directories(self) -> None:

@@ -106,6 +106,7 @@ class Checkpointer:
         self._progress = progress
         self._keep = keep
         self._lock = threading.Lock()  # one checkpoint at a time
+        self._closed = False
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ps-ckpt")
         self.last: Manifest | None = catalog.current()
         self.last_taken_at_step = self.last.step if self.last else 0
@@ -115,6 +116,8 @@ class Checkpointer:
         looked at once no other checkpoint is being taken, skips it (returns None): a
         periodic checkpoint that another one, taken meanwhile, made unnecessary."""
         with self._lock:
+            if self._closed:
+                raise CheckpointFailed("the coordinator is stopping: no checkpoint is taken")
             if unless():
                 return None
             error: PSError | None = None
@@ -218,7 +221,17 @@ class Checkpointer:
                 if held.get(name) != spec]
 
     def close(self) -> None:
+        """Take no more checkpoints; the one being taken ends soon (its parts not started
+        are cancelled): `wait_idle` waits for it."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, until no checkpoint is being taken: True if none is."""
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        self._lock.release()
+        return True
 
 
 def run_periodically(checkpointer: Checkpointer, every: Interval, steps: Callable[[], int],

@@ -143,6 +143,11 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
     except ValueError as error:
         fail(parser, str(error))
         raise
+    state = config.state_path
+    if state is not None and state.exists() and not state.is_file():
+        # It would be ignored at start and fail every save: the progress never kept.
+        fail(parser, f"{'--state-dir' if args.state_dir else '--checkpoint-dir'}: the state "
+                     f"file {state} is not a file")
     # Made only once every flag is known good: a refused command line leaves nothing behind.
     for flag, directory in (("--checkpoint-dir" if args.checkpoint_dir
                              else "the job's checkpoint_dir", checkpoint_dir),
@@ -153,11 +158,6 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
         except OSError as error:  # else it would surface as a failure to bind the port
             fail(parser, f"{flag} {directory}: cannot make it a directory "
                          f"({error.strerror or error})")
-    state = config.state_path
-    if state is not None and state.exists() and not state.is_file():
-        # It would be ignored at start and fail every save: the progress never kept.
-        fail(parser, f"{'--state-dir' if args.state_dir else '--checkpoint-dir'}: the state "
-                     f"file {state} is not a file")
     return config, task
 
 

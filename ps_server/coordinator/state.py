@@ -646,13 +646,18 @@ class CoordinatorState:
                 and m.server_id not in self._frozen and m.server_id != server_id]
         if not live or not all(self._restorable(s) for s in shards):
             return self._time_out(server_id, address, holds)
-        loads = server_loads(self._map, self._reported_tables())
+        reported = self._reported_tables()
+        loads = server_loads(self._map, reported)
         load = {m.server_id: loads.get(m.server_id, 0) for m in live}
         budget = {m.server_id: m.budget_bytes for m in live}
+        lost_reported = reported.get(server_id, {})
 
         def cost(shard: Shard) -> int:
             spec = self._map.variables[shard.variable]
-            return footprint(spec, shard_rows(spec, shard))
+            charge = footprint(spec, shard_rows(spec, shard))
+            if spec.dynamic:  # an uncapped table's share is 0: what the lost server held
+                charge = max(charge, lost_reported.get(shard.key, (0, 0, 0))[2])
+            return charge
 
         chosen: list[tuple[Shard, str]] = []
         for shard in sorted(shards, key=lambda s: (-cost(s), s.key)):

@@ -256,3 +256,21 @@ def test_a_refused_coordinator_flag_leaves_no_directory_behind(tmp_path, capsys,
                                         environ={})
     capsys.readouterr()
     assert not directory.exists()
+
+
+def test_a_refused_state_file_leaves_no_checkpoint_directory_behind(tmp_path, capsys):
+    """Commit b397064 moved making the directories after the flags' checks ("a refused
+    command line leaves nothing behind"), but the check that the state file is a file comes
+    after the directories are made: --checkpoint-dir NEW with a --state-dir whose state file
+    is a directory is refused (exit 2) with NEW made."""
+    state_dir = tmp_path / "state"
+    (state_dir / STATE_FILE).mkdir(parents=True)
+    checkpoints = tmp_path / "new" / "ckpt"
+    parser = coordinator_cli.build_parser()
+    with pytest.raises(SystemExit) as exited:
+        coordinator_cli.config_and_task(
+            parser, parser.parse_args(["--checkpoint-dir", str(checkpoints), "--state-dir",
+                                       str(state_dir), "--epochs", "1"]), environ={})
+    assert exited.value.code == 2
+    assert str(state_dir / STATE_FILE) in capsys.readouterr().err
+    assert not checkpoints.exists()

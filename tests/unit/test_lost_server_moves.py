@@ -9,7 +9,7 @@ import pytest
 from ps_common.checkpoints import Manifest
 from ps_common.clock import FakeClock
 from ps_common.errors import DataLost
-from ps_common.shardmap import Component, VariableSpec
+from ps_common.shardmap import EMBEDDING, Component, VariableSpec
 from ps_server.coordinator.state import CoordinatorState
 
 SGD = Component.of({"name": "sgd", "lr": 1.0})
@@ -116,3 +116,20 @@ def test_a_target_that_joined_after_the_last_placement_is_in_the_moved_map():
     assert "s1" not in state.shard_map.servers
     assert [e.kind for e in lose(state, clock, "s0")] == ["moved"]
     assert placed_on(state, "w") == {"s1"} and state.shard_map.servers["s1"] == "h:s1"
+
+
+def test_an_uncapped_tables_shard_is_charged_what_its_lost_server_held():
+    """An uncapped dynamic table's shard has no capacity share to charge (0): the lost
+    server's shard, reported holding 8,000 bytes, went to s0, whose budget is 5,000, although
+    s1 has no budget limit. It is charged what the lost server last reported holding."""
+    clock = FakeClock()
+    state = cluster({"s0": 5000, "s1": 0, "s2": 0}, clock)
+    state.declare([VariableSpec("t", (0, 4), optimizer=SGD, kind=EMBEDDING)])  # uncapped
+    state.declare([var("a", 1500)])  # 6,000 bytes: s1 is then the more loaded survivor
+    assert placed_on(state, "a") == {"s1"}
+    (lost_shard,) = [s for s in state.shard_map.shards["t"] if s.server_id == "s2"]
+    state.server_heartbeat("s2", state.shard_map.epoch,
+                           tables=[(lost_shard.key, (500, 0, 8000))])
+    assert [e.kind for e in lose(state, clock, "s2")] == ["moved"]
+    (moved,) = [s for s in state.shard_map.shards["t"] if s.index == lost_shard.index]
+    assert moved.server_id == "s1", f"the 8,000-byte shard went to {moved.server_id}"
