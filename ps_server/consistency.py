@@ -137,17 +137,20 @@ def _magnitude_bound(grad: np.ndarray) -> float:
 @dataclass
 class _Step:
     """The sync step being combined: per shard, the sum of its gradients and their count."""
-    # (client_id, sequence) -> its push: a client's pushes of one step all count (each
-    # shard averages the gradients it got); a retry, under the same sequence, counts once.
-    contributions: dict[tuple[str, int], Contribution] = field(default_factory=dict)
+    # (client_id, incarnation, sequence) -> its push: a client's pushes of one step all
+    # count (each shard averages the gradients it got); a retry, under the same sequence,
+    # counts once. A client's new incarnation numbers its pushes from 1 again: its first
+    # push is no retry of its predecessor's.
+    contributions: dict[tuple[str, int, int], Contribution] = field(default_factory=dict)
 
     # Summed as they come, one array per shard whatever the number of clients (an empty
     # push, a client's step with nothing for this server, adds to none).
     sums: dict[tuple[str, int], "StepSum"] = field(default_factory=dict)
 
     @property
-    def clients(self) -> set[str]:
-        return {client_id for client_id, _ in self.contributions}
+    def clients(self) -> set[tuple[str, int]]:
+        """(client_id, incarnation) of every contributor."""
+        return {(client_id, incarnation) for client_id, incarnation, _ in self.contributions}
 
 
 class StepGate:
@@ -362,7 +365,7 @@ class StepGate:
                 raise FailedPrecondition(
                     f"push of step {step}, but this server is at step {self._step}: a client "
                     "computes the step JoinSteps and its last push's answer gave it")
-            key = (client_id, contribution.sequence)
+            key = (client_id, contribution.incarnation, contribution.sequence)
             if key not in self._pending.contributions:  # else a retry: counted once
                 self._pending.contributions[key] = contribution
                 for held, grad in zip(targets, grads):
@@ -380,7 +383,8 @@ class StepGate:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise self._timeout(step, sorted(
-                        set(self._members) - self._pending.clients))
+                        c for c, m in self._members.items()
+                        if (c, m.incarnation) not in self._pending.clients))
                 self._changed.wait(remaining)
             waited = self._waited(started)
             if step in self._failed:
@@ -396,7 +400,8 @@ class StepGate:
         if self._mode is None or self._mode.kind != SYNC or not self._pending.contributions \
                 or self._closed:
             return
-        if not set(self._members) <= self._pending.clients:
+        # Every member's current incarnation: a retired one's gradient stands for no one.
+        if not {(c, m.incarnation) for c, m in self._members.items()} <= self._pending.clients:
             return
         if not self._started and len(self._joined_before_start) < self._replicas \
                 and self._members:

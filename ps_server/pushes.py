@@ -199,15 +199,27 @@ class PushReceiver:
         push of a client that left while it waited does: they were computed from the
         step's values, and the step's sum holds them (one array per shard whatever the
         number of clients, rather than a copy of every push to leave one out). Returns
-        those unrecorded, {(client_id, sequence): the fence's error}."""
+        those unrecorded, {(client_id, incarnation, sequence): the fence's error}. Of a
+        client whose new incarnation took part in the step beside its replaced one, only the
+        newest is recorded (the ledger holds one record per client); the older ones are
+        answered as fenced, their gradients in the average as a retired one's are."""
         # The ledger holds one lock per client: each client's first push is recorded with
         # the update, its others (pushes of the same step) right after; all of it under the
         # gate, so that no checkpoint cuts between the update and any of its records. Once
         # a client's lock is held, no retirement can fence it before the update.
         self._refuse_non_finite_average(contributions, targets, grads)
-        ordered = sorted(contributions, key=lambda c: (c.client_id, c.sequence))
+        newest: dict[str, int] = {}
+        for c in contributions:
+            newest[c.client_id] = max(newest.get(c.client_id, c.incarnation), c.incarnation)
+        unrecorded: dict[tuple[str, int, int], PSError] = {
+            (c.client_id, c.incarnation, c.sequence): FencedIncarnation(
+                f"client {c.client_id!r} pushed with incarnation {c.incarnation}, but "
+                f"incarnation {newest[c.client_id]} took part in the same step: this client "
+                "was replaced; register again")
+            for c in contributions if c.incarnation < newest[c.client_id]}
+        ordered = sorted((c for c in contributions if c.incarnation == newest[c.client_id]),
+                         key=lambda c: (c.client_id, c.sequence))
         first = {c.client_id: c for c in reversed(ordered)}
-        unrecorded: dict[tuple[str, int], PSError] = {}
         with self._store.gate.shared():
             with contextlib.ExitStack() as ledger:
                 for c in (first[client_id] for client_id in sorted(first)):
@@ -215,11 +227,12 @@ class PushReceiver:
                         ledger.enter_context(self._ledger.exactly_once(
                             c.client_id, c.incarnation, c.sequence, c.acked_through))
                     except FencedIncarnation as error:
-                        unrecorded.update({(o.client_id, o.sequence): error for o in ordered
-                                         if o.client_id == c.client_id})
+                        unrecorded.update({(o.client_id, o.incarnation, o.sequence): error
+                                           for o in ordered if o.client_id == c.client_id})
                 self._store.apply(targets, grads)
             for c in ordered:
-                if first[c.client_id] is not c and (c.client_id, c.sequence) not in unrecorded:
+                if first[c.client_id] is not c \
+                        and (c.client_id, c.incarnation, c.sequence) not in unrecorded:
                     # Retired since its first push was recorded: its fence refuses any
                     # retry of this one too, so there is nothing left to record.
                     with contextlib.suppress(FencedIncarnation), self._ledger.exactly_once(

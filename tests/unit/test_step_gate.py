@@ -504,7 +504,7 @@ def test_sync_a_contribution_the_update_leaves_out_raises_its_error_the_others_r
 
     def apply_average(contributions, targets, averages):
         calls.append(sorted(c.client_id for c in contributions))
-        return {("b", 1): fenced}
+        return {("b", 1, 1): fenced}  # (client, incarnation, sequence)
 
     gate = make_gate(apply_average)
     for client in "ab":
