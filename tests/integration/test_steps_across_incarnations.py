@@ -92,6 +92,17 @@ def push_result(client: PSClient, grads: dict):
 # incarnation's.
 
 @contextlib.contextmanager
+def sync_pair(cluster):
+    """Two clients in the sync steps (replicas=2) of "w" (4 float32, SGD lr 1)."""
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as b:
+        a.declare("w", (4,), optimizer=sgd())
+        for ps in (a, b):
+            ps.join_steps("sync", replicas=2)
+        yield a, b
+
+
+@contextlib.contextmanager
 def new_incarnation_of(cluster, server, old: PSClient):
     """A PSClient under `old`'s client id, in the sync steps: its incarnation, asked of the
     coordinator, retires `old`'s, which the server drops from its steps first."""
@@ -116,11 +127,7 @@ def test_sync_a_new_incarnations_first_push_is_not_taken_for_its_retired_predece
     contributed = Contributed(monkeypatch)
     cluster = make_cluster(servers=1)
     server = cluster.servers[0]
-    with PSClient(cluster.coordinator_address) as a, \
-            PSClient(cluster.coordinator_address) as b:
-        a.declare("w", (4,), optimizer=sgd())
-        for ps in (a, b):
-            ps.join_steps("sync", replicas=2)
+    with sync_pair(cluster) as (a, b):
         old = spawn(push_result, b, {"w": full(100.0)})  # b's sequence 1, waits for a
         contributed.wait(b.incarnation, 0, "b's push is in the pending step 0")
 
@@ -158,11 +165,7 @@ def test_sync_a_step_waits_for_the_new_incarnation_not_its_retired_predecessors_
     contributed = Contributed(monkeypatch)
     cluster = make_cluster(servers=1)
     server = cluster.servers[0]
-    with PSClient(cluster.coordinator_address) as a, \
-            PSClient(cluster.coordinator_address) as b:
-        a.declare("w", (4,), optimizer=sgd())
-        for ps in (a, b):
-            ps.join_steps("sync", replicas=2)
+    with sync_pair(cluster) as (a, b):
         first = spawn(push_result, b, {"w": full(1.0)})
         assert push_result(a, {"w": full(1.0)}) is None  # step 0: w = -1
         assert first.result() is None
