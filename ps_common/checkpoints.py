@@ -486,6 +486,12 @@ class Interval:
     steps: int = 0
 
     @classmethod
+    def parse_flag(cls, text: str) -> "Interval | None":
+        """--checkpoint-every's value: "off" (None: only on request and at the end) or an
+        interval (ValueError naming the flag)."""
+        return None if text.strip().lower() == "off" else cls.parse(text)
+
+    @classmethod
     def parse(cls, text: str) -> "Interval":
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|seconds?|m|min|steps?)?\s*", text)
         if not match:

@@ -38,6 +38,13 @@ _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
 DEVICE_VALUE = re.compile(r"auto|cpu|cuda(?::\d+)?")
 
 
+def device_flag_problem(value: str) -> str | None:
+    """Why `value` is no --device value (the message names the flag), or None."""
+    if DEVICE_VALUE.fullmatch(value.strip().lower()):
+        return None
+    return f"--device {value!r}: expected auto, cpu, cuda or cuda:N"
+
+
 class BackendUnavailable(ValueError):
     """The requested device cannot be used on this machine (no CuPy, or no such GPU)."""
 

@@ -23,7 +23,7 @@ from ps_common.malloc import tune_malloc
 from ps_common.status import RemoteError
 from ps_common.telemetry import MetricsBindError, MetricsEndpoint
 from ps_common.tf_config import TF_CONFIG_ENV, WORKER
-from ps_worker.backend import DEVICE_VALUE, BackendUnavailable
+from ps_worker.backend import BackendUnavailable, device_flag_problem
 from ps_worker.coordinator_client import CoordinatorUnreachable
 from ps_worker.models.registry import find_models_in
 from ps_worker.runtime import Worker, WorkerConfig
@@ -69,8 +69,9 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      environ: Mapping[str, str] | None = None) -> WorkerConfig:
     """The worker's config from its flags, and from TF_CONFIG in `environ` (default: this
     process's environment) when --coordinator was not given."""
-    if not DEVICE_VALUE.fullmatch(args.device.strip().lower()):
-        parser.error(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
+    device_problem = device_flag_problem(args.device)
+    if device_problem:
+        parser.error(device_problem)
     if not args.grace >= 0:
         parser.error(f"--grace {args.grace}: must be >= 0")
     if not 0 <= args.step_delay < float("inf"):

@@ -378,7 +378,7 @@ class PSClient:
         have been applied. For a worker told to stop (SIGTERM, or the job is over); `close()`
         is still to be called. Irreversible; thread-safe. In a forked child it does nothing:
         the sockets it would shut down are the parent's too."""
-        if _forks != self._made_before_forks:
+        if self._forked_away:
             return
         self._interrupted.set()
         with self._lock:
@@ -394,12 +394,17 @@ class PSClient:
         for channel in channels:
             channel.close()
 
+    @property
+    def _forked_away(self) -> bool:
+        """This process is a child forked after this client was made."""
+        return _forks != self._made_before_forks
+
     def _refuse_in_forked_child(self) -> None:
         """Raise FAILED_PRECONDITION in a child forked after this client was made. The child
         would share the parent's client id, push sequences, push slots and sockets: its
         pushes would be taken for the parent's retries (answered, never applied) or mixed
         into the parent's in the same slot, and its gRPC channels may hang."""
-        if _forks != self._made_before_forks:
+        if self._forked_away:
             raise _local_error(grpc.StatusCode.FAILED_PRECONDITION,
                                "this PSClient was made before this process was forked: it "
                                "belongs to the parent process; make a new PSClient here")
@@ -466,7 +471,7 @@ class PSClient:
         Under a retry policy without an attempt limit the wait lasts as long as a server is
         away: call `interrupt()` first to give up on what is in flight. In a forked child
         it does nothing: what it would close is the parent's."""
-        if _forks != self._made_before_forks:
+        if self._forked_away:
             return
         with self._lock:
             if self._closed:

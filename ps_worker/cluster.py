@@ -32,7 +32,7 @@ from ps_common.job import JobError, JobSpec, add_job_arguments, job_from_args
 from ps_common.progress import epoch_line, figure, strict_json
 from ps_common.status import RemoteError
 from ps_common.tls import TLS
-from ps_worker.backend import DEVICE_VALUE
+from ps_worker.backend import device_flag_problem
 from ps_worker.chaos import ChaosError, ChaosMonkey
 from ps_worker.chaos import plan as chaos_plan
 from ps_worker.coordinator_client import CoordinatorClient, CoordinatorUnreachable
@@ -558,8 +558,9 @@ def main(argv: list[str] | None = None) -> int:
 def _check_children_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse (exit 2) a value that ps-cluster passes on and a child would refuse, before
     anything starts: the child's refusal would come after the others had started."""
-    if not DEVICE_VALUE.fullmatch(args.device.strip().lower()):
-        parser.error(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
+    device_problem = device_flag_problem(args.device)
+    if device_problem:
+        parser.error(device_problem)
     if args.heartbeat_timeout <= args.heartbeat_interval:
         parser.error(f"--heartbeat-interval {args.heartbeat_interval:g} must be below "
                      f"--heartbeat-timeout {args.heartbeat_timeout:g}")
@@ -567,9 +568,9 @@ def _check_children_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--checkpoint-dir: an empty path; name a directory")
     if args.split_threshold < 1:
         parser.error(f"--split-threshold {args.split_threshold}: must be at least 1 byte")
-    if args.checkpoint_every is not None and args.checkpoint_every.strip().lower() != "off":
+    if args.checkpoint_every is not None:
         try:
-            Interval.parse(args.checkpoint_every)
+            Interval.parse_flag(args.checkpoint_every)
         except ValueError as error:
             parser.error(str(error))
 

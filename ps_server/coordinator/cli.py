@@ -33,10 +33,8 @@ _NOT_GIVEN = object()  # --checkpoint-every's default: 60 s, without asking for 
 
 
 def checkpoint_interval(text: str) -> Interval | None:
-    if text.strip().lower() == "off":
-        return None
     try:
-        return Interval.parse(text)
+        return Interval.parse_flag(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error).removeprefix("--checkpoint-every ")) from None
 

@@ -52,19 +52,29 @@ def shard_rows(spec: VariableSpec, shard: Shard) -> int:
 Reported = dict[str, dict[tuple[str, int], tuple[int, int, int]]]
 
 
+def _reported_bytes(reported: dict[tuple[str, int], tuple[int, int, int]],
+                    shard: Shard) -> int:
+    return reported.get(shard.key, (0, 0, 0))[2]
+
+
+def shard_charge(spec: VariableSpec, shard: Shard,
+                 reported: dict[tuple[str, int], tuple[int, int, int]]) -> int:
+    """What placement charges `shard`: its values and slots; a dynamic table's shard its
+    share of the capacity, or what its server reported holding (`reported`, that server's
+    report) where that is more (an uncapped table's share is 0: it grows with the ids)."""
+    cost = footprint(spec, shard_rows(spec, shard))
+    return max(cost, _reported_bytes(reported, shard)) if spec.dynamic else cost
+
+
 def server_loads(current: ShardMap, reported: Reported | None = None) -> dict[str, int]:
-    """What placement charges each server: its shards' values and slots; a dynamic table's
-    shard its share of the capacity, or what the server reported it holds where that is
-    more (an uncapped table's share is 0, and it grows with the ids seen)."""
+    """What placement charges each server (shard_charge of each of its shards)."""
     reported = reported or {}
     loads: dict[str, int] = {}
     for name, shards in current.shards.items():
         spec = current.variables[name]
         for s in shards:
-            cost = footprint(spec, shard_rows(spec, s))
-            if spec.dynamic:
-                cost = max(cost, reported.get(s.server_id, {}).get(s.key, (0, 0, 0))[2])
-            loads[s.server_id] = loads.get(s.server_id, 0) + cost
+            loads[s.server_id] = (loads.get(s.server_id, 0)
+                                  + shard_charge(spec, s, reported.get(s.server_id, {})))
     return loads
 
 
@@ -77,7 +87,7 @@ def held_bytes(current: ShardMap, server_id: str,
     total = 0
     for shard in current.shards_on(server_id):
         spec = current.variables[shard.variable]
-        total += (reported.get(shard.key, (0, 0, 0))[2] if spec.dynamic
+        total += (_reported_bytes(reported, shard) if spec.dynamic
                   else footprint(spec, shard.num_rows))
     return total
 

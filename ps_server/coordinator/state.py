@@ -28,7 +28,7 @@ from ps_common.errors import DataLost, NotReady, SpecConflict
 from ps_common.shardmap import EMPTY_MAP, Shard, ShardMap, VariableSpec
 from ps_server.coordinator.identity import first_number
 from ps_server.coordinator.placement import (
-    Candidate, footprint, place, server_loads, shard_rows,
+    Candidate, place, server_loads, shard_charge,
 )
 from ps_server.initializers import validate_initializer
 from ps_server.optimizers import resolve_knobs
@@ -653,11 +653,7 @@ class CoordinatorState:
         lost_reported = reported.get(server_id, {})
 
         def cost(shard: Shard) -> int:
-            spec = self._map.variables[shard.variable]
-            charge = footprint(spec, shard_rows(spec, shard))
-            if spec.dynamic:  # an uncapped table's share is 0: what the lost server held
-                charge = max(charge, lost_reported.get(shard.key, (0, 0, 0))[2])
-            return charge
+            return shard_charge(self._map.variables[shard.variable], shard, lost_reported)
 
         chosen: list[tuple[Shard, str]] = []
         for shard in sorted(shards, key=lambda s: (-cost(s), s.key)):
