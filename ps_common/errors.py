@@ -26,7 +26,7 @@ class InvalidArgument(PSError):
 
 
 class OutOfRange(PSError):
-    """An id outside a fixed embedding table's rows."""
+    """An id outside a fixed embedding table's rows; values beyond a pull's wire dtype."""
 
     code = "OUT_OF_RANGE"
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ps_common.errors import InvalidArgument
+from ps_common.errors import InvalidArgument, OutOfRange
 from ps_proto.v1 import tensor_pb2
 
 # wire name -> (enum, numpy dtype of the raw bytes, numpy dtype it decodes to)
@@ -72,6 +72,10 @@ def finite_in_both(wire: str, stored: str) -> bool:
     size, far larger range)."""
     return _LARGEST[wire] <= _LARGEST[stored]
 
+
+# By the numpy dtype of stored values (bfloat16 is only ever a wire dtype).
+_LARGEST_OF = {np.dtype(name): largest for name, largest in _LARGEST.items()
+               if name != "bfloat16"}
 
 MAX_DIMS = 64  # NumPy's limit on an array's dimensions
 
@@ -135,9 +139,26 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return widened.view(np.float32)
 
 
-def wire_bytes(values: np.ndarray, wire_dtype: str) -> memoryview:
-    """`values` encoded in `wire_dtype`, as bytes: a view when no conversion is needed."""
-    return memoryview(to_wire(values, wire_dtype).reshape(-1).view(np.uint8))
+def wire_bytes(values: np.ndarray, wire_dtype: str, what: str = "the values") -> memoryview:
+    """`values` (`what`) going out in `wire_dtype` (see `narrowed`), as bytes: a view when
+    no conversion is needed."""
+    return memoryview(narrowed(values, wire_dtype, what).reshape(-1).view(np.uint8))
+
+
+def narrowed(values: np.ndarray, wire_dtype: str, what: str = "the values") -> np.ndarray:
+    """`to_wire` for values a server hands out (a pull): raises OutOfRange, naming `what`,
+    where the narrowing turned a finite value into an infinity, instead of sending it (a
+    push narrowed so is refused too). The values' own NaNs and infinities pass as they are."""
+    largest = _LARGEST[wire_dtype]
+    if _LARGEST_OF.get(values.dtype, largest) <= largest:  # nothing can overflow
+        return to_wire(values, wire_dtype)
+    with np.errstate(over="ignore"):
+        encoded = to_wire(values, wire_dtype)
+    if encoded.size and not all_finite(encoded) \
+            and count_non_finite(encoded) > count_non_finite(values):
+        raise OutOfRange(f"{what}: values beyond the range of wire dtype {wire_dtype} "
+                         f"(largest {largest:g}); pull them in a wider wire_dtype")
+    return encoded
 
 
 def to_wire(values: np.ndarray, wire_dtype: str) -> np.ndarray:
@@ -242,8 +263,10 @@ ByteReader = Callable[[int, int], bytes]
 """read(offset, length) -> exactly `length` bytes of one tensor's wire encoding."""
 
 
-def array_reader(values: np.ndarray, wire_dtype: str, lock=None) -> ByteReader:
-    """A reader over `values` encoded as `wire_dtype`, converting only the elements asked for.
+def array_reader(values: np.ndarray, wire_dtype: str, lock=None,
+                 what: str = "the values") -> ByteReader:
+    """A reader over `values` (`what`) encoded as `wire_dtype` (see `narrowed`), converting
+    only the elements asked for.
 
     With `lock`, each read copies under it, so a chunk never shows a half-applied update.
     Without one, reads in the stored dtype are zero-copy views (the caller keeps `values`
@@ -263,7 +286,7 @@ def array_reader(values: np.ndarray, wire_dtype: str, lock=None) -> ByteReader:
         try:
             if same:
                 return flat[first:last].tobytes()[offset - first * step:][:length]
-            encoded = to_wire(flat[first:last], wire_dtype)
+            encoded = narrowed(flat[first:last], wire_dtype, what)
         finally:
             if lock is not None:
                 lock.release()

@@ -66,7 +66,7 @@ class LiveRead:
         self._copy_reader: ByteReader | None = None
         self._overtaken = False
         self._closed = False
-        self._live = array_reader(held.values, wire_dtype)
+        self._live = array_reader(held.values, wire_dtype, what=held.describe())
         with held.lock:
             held.live_reads.append(self)
 
@@ -99,7 +99,8 @@ class LiveRead:
 
     def _use(self, copy: _SharedCopy) -> None:
         self._copy = copy
-        self._copy_reader = array_reader(copy.values, self._wire_dtype)
+        self._copy_reader = array_reader(copy.values, self._wire_dtype,
+                                         what=self._held.describe())
 
 
 def preserve_for_reads(held) -> None:

@@ -193,7 +193,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             lock.acquire()
         try:
             return encode_chunk(header, [
-                wire_bytes(held.values if rows is None else rows.whole(), meta.dtype)
+                wire_bytes(held.values if rows is None else rows.whole(), meta.dtype,
+                           held.describe())
                 for held, meta, rows in plan], attached)
         finally:
             for lock in locks:
@@ -382,9 +383,10 @@ class _PullSource:
         for held, meta, rows in plan:
             last = start + meta.nbytes - 1
             if rows is not None:  # a table's rows: a copy already
-                self._readers.append(rows.reader(meta.dtype))
+                self._readers.append(rows.reader(meta.dtype, held.describe()))
             elif meta.nbytes == 0 or start // chunk_bytes == last // chunk_bytes:
-                self._readers.append(array_reader(held.values, meta.dtype, held.lock))
+                self._readers.append(array_reader(held.values, meta.dtype, held.lock,
+                                                 held.describe()))
             else:
                 self._live.add(len(self._readers))
                 self._readers.append(self._live_reader(held, meta))

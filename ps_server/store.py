@@ -202,17 +202,17 @@ class GatheredRows:
         """The rows in the request's order (for an answer in one message: bounded)."""
         return self.distinct if self.order is None else self.distinct[self.order]
 
-    def reader(self, wire_dtype: str) -> ByteReader:
-        """The rows in the request's order, encoded as `wire_dtype`, gathered a chunk's rows
-        at a time."""
+    def reader(self, wire_dtype: str, what: str = "the rows") -> ByteReader:
+        """The rows (`what`) in the request's order, encoded as `wire_dtype`, gathered a
+        chunk's rows at a time."""
         row_bytes = wire_itemsize(wire_dtype) * math.prod(self.distinct.shape[1:])
         if self.order is None or row_bytes == 0:
-            return array_reader(self.whole(), wire_dtype)
+            return array_reader(self.whole(), wire_dtype, what=what)
 
         def read(offset: int, length: int) -> bytes:
             first, last = offset // row_bytes, -(-(offset + length) // row_bytes)
             rows = self.distinct[self.order[first:last]]
-            return array_reader(rows, wire_dtype)(offset - first * row_bytes, length)
+            return array_reader(rows, wire_dtype, what=what)(offset - first * row_bytes, length)
 
         return read
 

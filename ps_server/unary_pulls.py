@@ -45,11 +45,12 @@ class RememberedPull:
         self._conversions = []
         for read in checked:
             values = read.held.values
-            encoded = wire_bytes(values, read.wire)
+            what = read.held.describe()
+            encoded = wire_bytes(values, read.wire, what)
             if np.may_share_memory(encoded, values):
                 self._parts.append(encoded)
             else:
-                self._conversions.append((len(self._parts), values, read.wire))
+                self._conversions.append((len(self._parts), values, read.wire, what))
                 self._parts.append(None)
 
     def answer(self, attached=None) -> bytes:
@@ -60,8 +61,8 @@ class RememberedPull:
         try:
             if self._conversions or attached is not None:
                 parts = list(parts)
-                for i, values, wire in self._conversions:
-                    parts[i] = wire_bytes(values, wire)
+                for i, values, wire, what in self._conversions:
+                    parts[i] = wire_bytes(values, wire, what)
                 if attached is not None:
                     parts.append(attached_field(attached))
             return b"".join(parts)

@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from ps_common.consistency import SYNC, Mode, parse_mode
-from ps_common.errors import InvalidArgument
+from ps_common.errors import InvalidArgument, OutOfRange
 from ps_common.rows import check_ids, dedup, sum_duplicates
 from ps_common.rpc import (
     DEFAULT_CHUNK_BYTES, READ_RETRY_CODES, RetryPolicy, call_with_retry, check_chunk_bytes,
@@ -42,8 +42,8 @@ from ps_common.status import RemoteError
 from ps_common.tls import TLS
 from ps_common.tensors import (
     WIRE_DTYPES, StreamAssembler, TensorMeta, all_finite, array_reader, decode_chunk,
-    dtype_to_proto, encode_chunk, finite_in_both, from_wire, iter_chunks, to_wire, wire_itemsize,
-    wire_raw_dtype,
+    dtype_to_proto, encode_chunk, finite_in_both, from_wire, iter_chunks, narrowed, to_wire,
+    wire_itemsize, wire_raw_dtype,
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
 from ps_worker.one_call_pulls import MAX_KEPT as MAX_KEPT_PULLS, OneCallPull
@@ -809,7 +809,7 @@ class PSClient:
         if done and wire_dtype is not None:
             for shard, values in zip(shards, rows):
                 if wire_dtype != shard_map.variables[shard.variable].dtype:
-                    values[...] = from_wire(to_wire(values, wire_dtype), wire_dtype)
+                    values[...] = _through_wire(values, wire_dtype, shard)
         return done
 
     def _shared_connection(self, shard_map: ShardMap, server_id: str) -> SharedConnection | None:
@@ -1118,9 +1118,9 @@ class PSClient:
             self._forget_shared(shard_map.servers[server_id], connection)
             return False
         if done:
-            for (_, positions), values in zip(parts, found):
+            for (shard, positions), values in zip(parts, found):
                 if wire_dtype is not None and wire_dtype != rows.dtype.name:
-                    values = from_wire(to_wire(values, wire_dtype), wire_dtype)
+                    values = _through_wire(values, wire_dtype, shard)
                 rows[positions] = values
         return done
 
@@ -1837,6 +1837,15 @@ class PSClient:
             futures.wait(pending)  # none may still be running when this returns or raises
         for future in pending:
             future.result()
+
+
+def _through_wire(values: np.ndarray, wire_dtype: str, shard: Shard) -> np.ndarray:
+    """`values` of `shard`, read from shared memory, as a pull in `wire_dtype` gets them
+    over gRPC: narrowed and widened again, and refused as a server refuses them."""
+    try:
+        return from_wire(narrowed(values, wire_dtype, shard.describe()), wire_dtype)
+    except OutOfRange as error:
+        raise _local_error(grpc.StatusCode.OUT_OF_RANGE, str(error)) from None
 
 
 def _whole(value, what: str) -> int:

@@ -228,6 +228,36 @@ def test_pull_float64_variable_as_float32(make_cluster):
         np.testing.assert_array_equal(narrow, exact.astype(np.float32).astype(np.float64))
 
 
+@pytest.mark.parametrize("chunk", [64, 1 << 20])  # streamed and one-message answers
+def test_pull_beyond_the_wire_dtypes_range_is_out_of_range(make_cluster, chunk):
+    """A value that the pull's narrower wire dtype cannot hold is refused, never sent as an
+    infinity (a push narrowed so is refused too), each time it is asked for: the error
+    names the variable and the dtype. A wire dtype that holds it still pulls it."""
+    cluster = make_cluster(servers=2, split_threshold_bytes=500, chunk_bytes=chunk)
+    with PSClient(cluster.coordinator_address, chunk_bytes=chunk) as ps:
+        ps.declare("w", shape=(30, 7), init={"name": "constant", "value": 7e4})
+        ps.declare("t", shape=(20, 3), init={"name": "constant", "value": 0.5})
+        assert len(ps.shard_map.shards["w"]) == 2
+        for _ in range(2):  # a repeated pull is answered from what the server kept of it
+            err = expect_error(grpc.StatusCode.OUT_OF_RANGE, ps.pull, ["t", "w"],
+                               wire_dtype="float16")
+            assert "'w'" in str(err) and "float16" in str(err)
+        np.testing.assert_array_equal(ps.pull("w", wire_dtype="bfloat16"),
+                                      bf16_round(np.full((30, 7), 7e4)))
+        np.testing.assert_array_equal(ps.pull("t", wire_dtype="float16"), np.full((20, 3), 0.5))
+
+
+def test_rows_beyond_the_wire_dtypes_range_are_out_of_range(make_cluster):
+    cluster = make_cluster(servers=2)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("e", dim=4, num_rows=50, init={"name": "constant", "value": 1e5})
+        err = expect_error(grpc.StatusCode.OUT_OF_RANGE, ps.pull_rows, "e", [3, 4, 9],
+                           wire_dtype="float16")
+        assert "'e'" in str(err) and "float16" in str(err)
+        np.testing.assert_array_equal(ps.pull_rows("e", [3, 4], wire_dtype="bfloat16"),
+                                      bf16_round(np.full((2, 4), 1e5)))
+
+
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
 def test_push_in_narrow_wire_dtype_is_applied(make_cluster, wire):
     cluster = make_cluster(servers=2, split_threshold_bytes=500, chunk_bytes=64)

@@ -501,3 +501,21 @@ def test_a_shape_of_more_dimensions_than_numpy_allows_is_refused_before_it_is_mu
         TensorMeta.from_proto(many, what="push tensor 0")
     most = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[1] * 64)
     assert TensorMeta.from_proto(most, what="push tensor 0").nbytes == 4
+
+
+@pytest.mark.parametrize("stored, wire, beyond", [
+    ("float32", "float16", 7e4), ("float32", "bfloat16", 3.4e38),
+    ("float64", "float32", 1e300), ("float64", "bfloat16", 1e300)])
+def test_narrowed_refuses_a_value_the_wire_dtype_cannot_hold(stored, wire, beyond):
+    """A pull's narrowing never turns a finite value into an infinity; the values' own NaNs
+    and infinities pass as they are, and a value that fits is only rounded."""
+    from ps_common.errors import OutOfRange
+    from ps_common.tensors import narrowed
+
+    values = np.array([1.5, -np.inf, np.nan, 2.0], stored)
+    decoded = from_wire(narrowed(values, wire, "variable 'v'"), wire)
+    assert decoded[0] == 1.5 and decoded[1] == -np.inf and np.isnan(decoded[2])
+    values[3] = -beyond
+    with pytest.raises(OutOfRange, match=f"variable 'v'.*{wire}"):
+        narrowed(values, wire, "variable 'v'")
+    assert narrowed(values, stored) is not None  # no narrowing: nothing refused
