@@ -444,7 +444,12 @@ class StepGate:
         return member
 
     def _timeout(self, step: int, waiting_for: list[str]) -> StepTimeout:
+        # What became of the push that waited: a caller who sends it again as a new push
+        # (not a retry under its sequence) must know it would count twice.
+        kept = (f"this push stays in step {step} and counts when the step is applied"
+                if self._mode is not None and self._mode.kind == SYNC else "this push was applied")
         return StepTimeout(
             f"waited {self._wait_s:g} s after step {step} ({self._mode}) for "
             f"{', '.join(sorted(waiting_for)) or 'other clients'} to catch up: a client that "
-            "stopped without LeaveSteps is waited for until the coordinator declares it dead")
+            "stopped without LeaveSteps is waited for until the coordinator declares it dead. "
+            f"{kept.capitalize()}: pushed again, it would count twice")

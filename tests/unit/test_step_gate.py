@@ -438,6 +438,8 @@ def test_a_step_that_waits_too_long_raises_deadline_exceeded_naming_whom_it_wait
         gate.contribute(contribution("a"), 0, [T0], grads([1.0]))
     assert caught.value.code == "DEADLINE_EXCEEDED"
     assert "slowpoke" in caught.value.message and "step 0" in caught.value.message
+    # The push stays in its step: the caller must not push it again.
+    assert "stays in step 0 and counts when the step is applied" in caught.value.message
 
     gate = make_gate(wait_s=0.2)
     for client in ("a", "slowpoke"):
@@ -446,6 +448,7 @@ def test_a_step_that_waits_too_long_raises_deadline_exceeded_naming_whom_it_wait
         gate.finish_step("a", 1, 0)
     assert caught.value.code == "DEADLINE_EXCEEDED"
     assert "slowpoke" in caught.value.message and "ssp:0" in caught.value.message
+    assert "This push was applied: pushed again, it would count twice" in caught.value.message
 
 
 # ---- found wanting once: a refused join, two pushes of one step, a replica that left ------
