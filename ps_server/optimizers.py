@@ -66,6 +66,18 @@ def resolve_knobs(spec: VariableSpec) -> dict[str, float]:
             _check_range(spec, name, value, value in (0.0, 1.0), "0 or 1 (false or true)")
         else:
             _check_range(spec, name, value, value >= 0, ">= 0")
+    # The update computes with each knob in its compute dtype: lr=1e40 is inf in float32
+    # (every update would make inf or NaN), eps=1e-50 is 0 there (adam divides by it).
+    dtype = compute_dtype(spec.dtype)
+    for name, value in knobs.items():
+        with np.errstate(over="ignore", under="ignore"):
+            cast = float(dtype.type(value))
+        if not math.isfinite(cast) or (value > 0 and cast == 0.0):
+            what = (f"past the largest {dtype} ({np.finfo(dtype).max:g})" if cast
+                    else f"0 in {dtype}")
+            raise InvalidArgument(
+                f"variable {spec.name!r}: optimizer {opt.name} knob {name}={value:g} is "
+                f"{what}, the dtype its update is computed in")
     return knobs
 
 

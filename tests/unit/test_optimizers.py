@@ -196,8 +196,8 @@ def test_adam_bias_correction_counts_steps_per_state():
 
 # ---- knob validation --------------------------------------------------------------------
 
-def _spec(optimizer: dict, name: str = "layer1/kernel") -> VariableSpec:
-    return VariableSpec(name, (3, 2), optimizer=Component.of(optimizer))
+def _spec(optimizer: dict, name: str = "layer1/kernel", dtype: str = "float32") -> VariableSpec:
+    return VariableSpec(name, (3, 2), dtype=dtype, optimizer=Component.of(optimizer))
 
 
 @pytest.mark.parametrize(
@@ -234,6 +234,22 @@ def test_bad_knobs_raise_invalid_argument_naming_variable_and_knob(optimizer, kn
     # make_state validates too: no state is built for a bad spec.
     with pytest.raises(InvalidArgument):
         make_state(spec, (3, 2))
+
+
+@pytest.mark.parametrize("optimizer, dtype, knob", [
+    ({"name": "sgd", "lr": 1e40}, "float32", "lr"),
+    ({"name": "adam", "eps": 1e-50}, "float32", "eps"),
+    ({"name": "momentum", "weight_decay": 1e39}, "float16", "weight_decay"),  # computed in f32
+    ({"name": "adagrad", "initial_accumulator": 1e300}, "float32", "initial_accumulator"),
+])
+def test_knobs_that_do_not_fit_the_update_dtype_are_refused(optimizer, dtype, knob):
+    """A knob is used in the dtype the update computes in: one that is infinite there (every
+    update would make inf or NaN) or a positive one that is 0 there is refused, naming it."""
+    with pytest.raises(InvalidArgument) as info:
+        resolve_knobs(_spec(optimizer, dtype=dtype))
+    assert "layer1/kernel" in info.value.message and f"{knob}=" in info.value.message
+    assert "float32" in info.value.message
+    resolve_knobs(_spec(optimizer, dtype="float64"))  # fits float64
 
 
 @pytest.mark.parametrize("name, defaults", sorted(DOCUMENTED_DEFAULTS.items()))
