@@ -1663,10 +1663,12 @@ class PSClient:
         stub = self._stub(address)
         # Checked in the slot as it is written (the cheapest place: the bytes are still in
         # cache, and they are exactly what the server will apply), so the server need not
-        # read the slot once more for it (PushHeader.finite_checked).
+        # read the slot once more for it (PushHeader.finite_checked). A push that spans
+        # several servers was checked whole before anything went (_split): not again.
         checked = not self._allow_non_finite
+        unchecked = checked and any(p.unchecked is not None for p in pieces)
         try:
-            bad = slot.write([p.grad for p in pieces], check_finite=checked)
+            bad = slot.write([p.grad for p in pieces], check_finite=unchecked)
         except BaseException:
             connection.release(slot)  # nothing was sent: nobody reads it
             raise
