@@ -33,7 +33,9 @@ import fcntl
 import mmap
 import os
 import platform
+import resource
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,28 @@ VERSION, FLAGS, EPOCH, PID = 1, 2, 3, 4
 RETIRED = 1
 # Bytes of a connection's secret in its probe segment.
 SECRET_BYTES = 32
+
+
+# A soft limit on open files set above the hard one, where the hard one is unlimited.
+UNLIMITED_FILES_TARGET = 1 << 20
+_files_limit_raised = threading.Lock()
+
+
+def allow_more_open_files() -> None:
+    """Raise this process's soft limit on open files to its hard limit, once. Each mapped
+    segment keeps a file descriptor open (Python's mmap holds a duplicate of the one it
+    mapped), one per shard in the server and in each client: at the usual soft limit of
+    1024, a server of a thousand shards could map no more, and its shards would go over
+    gRPC. Raising the soft limit up to the hard one needs no privilege."""
+    if not _files_limit_raised.acquire(blocking=False):
+        return  # done already
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = UNLIMITED_FILES_TARGET if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass  # as it was: segments that cannot be mapped fall back to gRPC
 
 
 def supported() -> str | None:

@@ -83,6 +83,7 @@ class SharedMemory:
         self._connections: OrderedDict[int, Connection] = OrderedDict()
         self._connection_ids = itertools.count(1)
         self._closed = False
+        shm.allow_more_open_files()  # a descriptor per segment
         self.control = shm.create(self._name("control"), 0, locked=True)
         self.control.header[shm.PID] = os.getpid()
         self._push_socket: PushSocket | None = None

@@ -13,6 +13,7 @@ over (the server restarted or stopped): the caller forgets it and opens a new on
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -38,6 +39,8 @@ MAX_READ_BACKOFF_S = 0.002
 HANDSHAKE_TIMEOUT_S = 5.0
 # The largest answer a push socket gives (a PushSocketReply: a status at most).
 MAX_REPLY_BYTES = 1 << 20
+# A process's (EMFILE) or the system's (ENFILE) open files are at their limit.
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 
 class HandshakeFailed(Exception):
@@ -98,6 +101,7 @@ class SharedConnection:
         self._idle_sockets: list[socket.socket] = []
         self._sockets: set[socket.socket] = set()
         self._ended = False
+        self._warned_out_of_files = False
 
     @classmethod
     def open(cls, stub, client_id: str, server_id: str) -> "SharedConnection | None":
@@ -117,6 +121,7 @@ class SharedConnection:
         if not reply.offered:
             log.info("server %s offers no shared memory: using gRPC", server_id)
             return None
+        shm.allow_more_open_files()  # a descriptor per segment it maps
         try:
             probe = shm.attach(reply.probe, writable=False)
             secret = bytes(probe.data[:shm.SECRET_BYTES])
@@ -202,8 +207,16 @@ class SharedConnection:
                     shape = tuple(shared.meta.shape)
                     dtype = _DTYPES[shared.meta.dtype]
                     entry = (shard, segment, segment.array(dtype, shape))
-                except (OSError, ValueError):
-                    entry = None  # gone already (the map moved): over gRPC this time
+                except (OSError, ValueError) as error:
+                    # Gone already (the map moved): over gRPC this time. Out of file
+                    # descriptors (one per mapped segment): over gRPC from now on, said once.
+                    if isinstance(error, OSError) and error.errno in _OUT_OF_FILES \
+                            and not self._warned_out_of_files:
+                        self._warned_out_of_files = True
+                        log.warning("server %s: no file descriptor left to map a shard's "
+                                    "segment (%s; raise `ulimit -n`): such shards are pulled "
+                                    "over gRPC", self._server_id, error.strerror)
+                    entry = None
             attached[shard.key] = entry
         with self._lock:
             self._attached.update(attached)
