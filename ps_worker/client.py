@@ -534,11 +534,17 @@ class PSClient:
 
     def _adopt(self, new: ShardMap) -> ShardMap:
         with self._lock:
+            moved_on = self._map is not None and new.epoch > self._map.epoch
             if self._map is None or new.epoch >= self._map.epoch:
                 if new is not self._map:  # kept pulls are for the map they were made with
                     self._one_call_pulls.clear()
                 self._map = new
-            return self._map
+            adopted = self._map
+            connections = [x for x in self._shared.values() if x is not None] if moved_on \
+                else []
+        for connection in connections:
+            connection.forget_moved(adopted)
+        return adopted
 
     def _map_with(self, names: Iterable[str]) -> ShardMap:
         """The shard map, refreshed once if it does not know every name yet."""

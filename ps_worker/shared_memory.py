@@ -25,7 +25,7 @@ from google.rpc import status_pb2
 
 from ps_common import shm
 from ps_common.framing import read_frame, write_frame
-from ps_common.shardmap import Shard
+from ps_common.shardmap import Shard, ShardMap
 from ps_common.status import RemoteError
 from ps_common.tensors import FINITE_BLOCK_ELEMENTS, all_finite
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -185,6 +185,16 @@ class SharedConnection:
         if any(f is None or f[0] != s for s, f in zip(shards, found)):
             return None
         return [(segment, values) for _, segment, values in found]
+
+    def forget_moved(self, shard_map: ShardMap) -> None:
+        """Unmap the segments of shards that `shard_map` no longer places on this server: a
+        mapping kept would hold a moved shard's memory (and a file descriptor) for as long
+        as this connection lasts, after the server dropped it."""
+        here = {shard.key for shards in shard_map.shards.values() for shard in shards
+                if shard.server_id == self._server_id}
+        with self._lock:
+            for key in [k for k in self._attached if k not in here]:
+                del self._attached[key]
 
     def _attach(self, epoch: int, shards: list[Shard], timeout_s: float) -> None:
         request = pb.AttachShardsRequest(

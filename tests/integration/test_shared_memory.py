@@ -1033,3 +1033,42 @@ def test_a_failed_handshake_is_tried_again_and_the_client_moves_to_shared_memory
         pulled = calls(cluster, "Pull")
         np.testing.assert_array_equal(ps.pull("w"), -np.ones(4, np.float32))
         assert calls(cluster, "Pull") == pulled
+
+
+class _Unreachable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_client_unmaps_a_shard_that_moved_off_a_server_it_still_shares_memory_with(
+        make_cluster, tmp_path):
+    """A server out of reach past --server-timeout comes back after its shards moved: the
+    client keeps its connection to it, but not its mapping of the moved shard's segment,
+    which would hold the shard's memory (and a descriptor) for as long as the connection."""
+    from ps_worker import RetryPolicy
+
+    cluster = make_cluster(servers=2, checkpoint_dir=tmp_path, server_timeout_s=0.5)
+    patient = RetryPolicy(max_attempts=None, initial_backoff_s=0.01, max_backoff_s=0.05)
+    with PSClient(cluster.coordinator_address, retry=patient) as ps:
+        ps.declare("a", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.declare("b", shape=(4,), init="zeros", optimizer=SGD1)
+        ps.push({"a": np.ones(4, np.float32)})
+        cluster.checkpoint()
+        holder_id = ps.shard_map.shards_of("a")[0].server_id
+        holder = next(s for s in cluster.servers if s.server_id == holder_id)
+        ps.pull(["a", "b"])
+        connection = ps._shared[ps.shard_map.servers[holder_id]]
+        assert connection._attached.get(("a", 0)) is not None  # mapped
+        reachable, real_call = [False], holder._coordinator_call
+
+        def call(rpc, request):
+            if not reachable[0]:
+                raise _Unreachable()
+            return real_call(rpc, request)
+
+        holder._coordinator_call = call
+        wait_until(lambda: ps.refresh().shards_of("a")[0].server_id != holder_id,
+                   "the shard to move", timeout_s=WAIT_S)
+        reachable[0] = True
+        np.testing.assert_array_equal(ps.pull("a"), np.full(4, -1.0, np.float32))
+        assert ("a", 0) not in connection._attached
