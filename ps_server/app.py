@@ -305,7 +305,8 @@ class ParameterServer:
         return coordinator_pb2.RegisterServerRequest(
             server_id=self.server_id, address=self.address,
             memory_budget_bytes=self.memory_budget_bytes, epoch=self.store.epoch, held=held,
-            last_map=shardmap_to_proto(self.fence.last_map), generation=self.fence.generation)
+            last_map=shardmap_to_proto(self.fence.last_map),
+            generation=self.fence.reported_generation)
 
     def _membership_loop(self) -> None:
         with make_channel(self.config.coordinator, self.config.token,

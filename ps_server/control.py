@@ -28,6 +28,23 @@ class CoordinatorFence:
         self._last_map = EMPTY_MAP
         self._retired_through = 0
         self._min_epoch = 0  # assignments older than this were built before registering
+        self._assigned_in_full = False  # this process has applied an assignment in full
+
+    def note_assigned_in_full(self) -> None:
+        """An assignment was applied with every shard it places here created or kept."""
+        with self._lock:
+            self._assigned_in_full = True
+
+    @property
+    def reported_generation(self) -> int:
+        """The generation a registration reports: 0 until this process has applied an
+        assignment in full. A coordinator takes a server that reports 0 for a new process,
+        and the shards its map places there that the server does not hold for lost: so
+        they are, until an assignment restores them. A server that reported the generation
+        it registered with before that would have a restarted coordinator take them for
+        shards never delivered (a declaration cut short) and create them empty."""
+        with self._lock:
+            return self._generation if self._assigned_in_full else 0
 
     @property
     def generation(self) -> int:

@@ -310,6 +310,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 frozenset((r.variable, r.index) for r in request.superseded))
             self._unary_pulls.forget()
             self._fence.remember_map(shard_map)
+            if not outcome.failed:
+                self._fence.note_assigned_in_full()
             if restore is not None:
                 for held in restore.created.values():
                     log.info("restored %s from checkpoint %s (step %d, %d update(s))",

@@ -114,10 +114,16 @@ class CoordinatorConfig:
             raise ValueError(f"--split-threshold {self.split_threshold_bytes} must be >= 1")
         if self.keep_checkpoints < 1:
             raise ValueError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 1")
-        for flag, directory in (("--checkpoint-dir", self.checkpoint_dir),
-                                ("--state-dir", self.state_dir)):
-            if directory is not None and directory.exists() and not directory.is_dir():
+        for flag, field_name in (("--checkpoint-dir", "checkpoint_dir"),
+                                 ("--state-dir", "state_dir")):
+            directory = getattr(self, field_name)
+            if directory is None:
+                continue
+            if directory.exists() and not directory.is_dir():
                 raise ValueError(f"{flag} {directory} is not a directory")
+            # Servers are sent the checkpoint directory's path, and resolve a relative one
+            # against their own working directory: it is made absolute here, once.
+            object.__setattr__(self, field_name, Path(os.path.abspath(directory)))
 
 
 class Coordinator:
