@@ -129,7 +129,8 @@ class MalformedRequests(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_streaming or handler.request_deserializer is None \
+                or answers_without_a_thread(handler):
             return handler
         method = handler_call_details.method
         cached = self._wrapped.get(method)
@@ -138,6 +139,17 @@ class MalformedRequests(grpc.ServerInterceptor):
         wrapped = _refusing_malformed(handler, method)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
+
+
+def answers_without_a_thread(handler) -> bool:
+    """Whether gRPC runs `handler` without holding a handler thread for it (the health
+    service's Watch, which answers through a callback until its caller hangs up). Such a
+    handler must reach gRPC as it is: a wrapper drops the mark, and each open Watch would
+    then hold one of the daemon's threads, so that a caller without the token (the health
+    service is open to probes) could take them all."""
+    behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
+                or handler.stream_stream)
+    return bool(getattr(behavior, "experimental_non_blocking", False))
 
 
 class _Malformed:

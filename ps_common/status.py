@@ -131,10 +131,13 @@ class RemoteError(Exception):
     def from_rpc_error(cls, error: grpc.RpcError, *, target: str = "") -> "RemoteError":
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         message = (error.details() if hasattr(error, "details") else None) or str(error)
-        hint = connection_hint(message) if code == grpc.StatusCode.UNAVAILABLE else None
+        status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
+        # A status with details was answered by a daemon's handler: a connection it names as
+        # failed is the daemon's own (a coordinator that cannot reach a server), not ours.
+        hint = connection_hint(message) \
+            if code == grpc.StatusCode.UNAVAILABLE and status is None else None
         if hint is not None:
             message = f"{hint} (gRPC: {message})"
-        status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
         made = cls._with_details(code, message, status.details if status is not None else (),
                                  target)
         made.connection_hint = hint

@@ -29,6 +29,8 @@ from google.protobuf import descriptor_pool
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client import make_wsgi_app
 
+from ps_common.rpc import answers_without_a_thread
+
 NAMESPACE = "paramserve"
 # Seconds: from a call through shared memory (tens of µs) to a push waiting for a sync step
 # (up to 30 s).
@@ -248,8 +250,8 @@ class RpcMetrics(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or answers_without_a_thread(handler):
+            return handler
         method = handler_call_details.method
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:

@@ -16,6 +16,7 @@ from ps_common.rpc import (
     DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, MAX_RECEIVE_WINDOW_BYTES,
     MIN_RECEIVE_WINDOW_BYTES, check_chunk_bytes, make_channel,
 )
+from ps_common.status import connection_hint
 from ps_common.telemetry import MetricsEndpoint, PushSocketMetrics
 from ps_common.tls import TLS
 from ps_common.wire import shard_to_proto, shardmap_to_proto, spec_to_proto
@@ -365,13 +366,16 @@ class ParameterServer:
                         # (an RpcError from a call has code() and details(); be sure anyway:
                         # this thread must not die of its own log line)
                         code = getattr(error, "code", lambda: None)()
-                        details = getattr(error, "details", lambda: "")()
+                        details = getattr(error, "details", lambda: "")() or ""
+                        hint = (connection_hint(details)
+                                if code == grpc.StatusCode.UNAVAILABLE else None)
                         log.warning(
                             "coordinator %s does not answer (%s: %s), %d call(s) in a row; "
-                            "retrying. Check that ps-coordinator runs there, that --coordinator "
-                            "names its address and port, and that both have the same token",
-                            self.config.coordinator, getattr(code, "name", "no answer"),
-                            details, failures)
+                            "retrying. %s", self.config.coordinator,
+                            getattr(code, "name", "no answer"), details, failures,
+                            f"Check this server's TLS flags: {hint}" if hint else
+                            "Check that ps-coordinator runs there, that --coordinator names its "
+                            "address and port, and that both have the same token")
                     registered = False
                 # Unregistered: retried soon, backing off to MAX_REGISTER_BACKOFF_S while
                 # the coordinator stays away (a restarted one is found within that).

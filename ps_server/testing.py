@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from ps_common.errors import PSError
+from ps_common.rpc import answers_without_a_thread
 from ps_common.tls import TLS
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 from ps_proto.v1 import tensor_pb2
@@ -100,8 +101,8 @@ class FaultInjector(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or answers_without_a_thread(handler):
+            return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
         kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
                 else "stream_unary" if handler.stream_unary else "stream_stream")
