@@ -85,11 +85,13 @@ def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return unique, inverse.reshape(-1)
 
 
-def sum_duplicates(grads: np.ndarray, inverse: np.ndarray, n_unique: int) -> np.ndarray:
+def sum_duplicates(grads: np.ndarray, inverse: np.ndarray, n_unique: int,
+                   dtype=None) -> np.ndarray:
     """Row i of the result is the sum of the rows of `grads` whose `inverse` is i (zeros for
-    an i that no row maps to); shape (n_unique, *grads.shape[1:]), in grads' dtype.
+    an i that no row maps to); shape (n_unique, *grads.shape[1:]), in `dtype` (default:
+    grads' dtype).
 
-    float16 gradients are summed in float32 and rounded to float16 once at the end, so that
+    float16 gradients are summed in float32 and rounded to `dtype` once at the end, so that
     many small contributions to one id are not lost to float16 rounding. Other dtypes are
     summed in their own dtype. `grads` is not modified. Raises ValueError when `inverse`
     does not match `grads` or holds an index outside [0, n_unique).
@@ -114,7 +116,7 @@ def sum_duplicates(grads: np.ndarray, inverse: np.ndarray, n_unique: int) -> np.
     if len(inverse) == 0 or counts.max() <= 1:
         # No duplicates: a permutation (or a scatter into zeros when some ids are missing).
         out = (np.empty if len(inverse) == n_unique else np.zeros)(
-            (n_unique, *row_shape), dtype=grads.dtype)
+            (n_unique, *row_shape), dtype=dtype or grads.dtype)
         out[inverse] = grads
         return out
 
@@ -123,7 +125,7 @@ def sum_duplicates(grads: np.ndarray, inverse: np.ndarray, n_unique: int) -> np.
     out = np.zeros((n_unique, row_elements), dtype=sum_dtype)
     if row_elements:
         _scatter_add_rows(out.reshape(-1), grads.reshape(len(grads), row_elements), inverse)
-    return out.reshape(n_unique, *row_shape).astype(grads.dtype, copy=False)
+    return out.reshape(n_unique, *row_shape).astype(dtype or grads.dtype, copy=False)
 
 
 def _scatter_add_rows(flat_out: np.ndarray, rows: np.ndarray, inverse: np.ndarray) -> None:

@@ -32,8 +32,8 @@ from ps_common.consistency import SYNC, Mode, parse_mode
 from ps_common.errors import InvalidArgument, OutOfRange
 from ps_common.rows import check_ids, dedup, sum_duplicates
 from ps_common.rpc import (
-    DEFAULT_CHUNK_BYTES, READ_RETRY_CODES, RetryPolicy, call_with_retry, check_chunk_bytes,
-    make_channel,
+    DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES, READ_RETRY_CODES, RetryPolicy, call_with_retry,
+    check_chunk_bytes, make_channel,
 )
 from ps_common.shardmap import (
     EMBEDDING, Component, Shard, ShardMap, VariableSpec, rows_by_server, shard_capacity,
@@ -78,6 +78,8 @@ MOVED_CHECK_TIMEOUT_S = 5.0
 # Row ids of an embedding table travel in a call's first message, beside up to 3 MiB of
 # tensor bytes under gRPC's 4 MiB: 512 KiB of them per call at most.
 MAX_ROW_IDS_PER_CALL = 65_536
+# A chunk message's field tags and lengths, beyond what its fields hold (a few varints).
+FIELD_FRAMING_BYTES = 64
 # After a shared-memory handshake call failed, calls to that server go over gRPC this long
 # before the handshake is tried again.
 HANDSHAKE_RETRY_S = 5.0
@@ -943,8 +945,16 @@ class PSClient:
             unique, summed = ids, grads
         else:
             unique, inverse = dedup(ids)
+            # float16 gradients are summed in float32, as the server sums them, and sent so
+            # where the table holds float32 or wider: a sum past float16's range, or one
+            # float16 would round, reaches it whole (a float16 table takes float16).
+            if grads.dtype == np.float16 and wire_dtype is None \
+                    and np.dtype(spec.dtype).itemsize >= 4:
+                sum_dtype, wire_dtype = np.dtype(np.float32), "float32"
+            else:
+                sum_dtype = None
             with np.errstate(over="ignore"):  # an overflow is refused below, saying so
-                summed = sum_duplicates(grads, inverse, len(unique))
+                summed = sum_duplicates(grads, inverse, len(unique), sum_dtype)
             if (not self._allow_non_finite and summed.size and not all_finite(summed)
                     and all_finite(grads)):
                 # The caller's gradients are finite: name what made them not, as the
@@ -1603,7 +1613,13 @@ class PSClient:
                 data = [r(0, n) for r, n in zip(readers, sizes)]
                 if (pull is not None and stub.push_then_pull
                         and pull.nbytes <= self._chunk_bytes):
-                    return self._push_then_pull(stub, first_header, data, pull, server_id)
+                    request = pull.request()
+                    # The push's header and the pull's request both carry row ids (up to
+                    # 512 KiB each): together they must fit gRPC's message limit.
+                    if nbytes + len(first_header) + len(request) + FIELD_FRAMING_BYTES \
+                            <= MAX_MESSAGE_BYTES:
+                        return self._push_then_pull(stub, first_header, data, pull, request,
+                                                    server_id)
                 return self._unary(stub.PushUnary, encode_chunk(first_header, data),
                                    self._deadline(nbytes), server_id)
             call = stub.Push.future(
@@ -1636,10 +1652,10 @@ class PSClient:
             self._stepped(server_id, reply)
 
     def _push_then_pull(self, stub: "_DataPath", header: bytes, data: list,
-                        pull: "_PullAlong", server_id: str) -> ps_pb.PushReply:
+                        pull: "_PullAlong", request: bytes, server_id: str) -> ps_pb.PushReply:
         nbytes = sum(memoryview(part).nbytes for part in data)
         try:
-            answer = self._unary(stub.PushThenPull, encode_chunk(header, data, pull.request()),
+            answer = self._unary(stub.PushThenPull, encode_chunk(header, data, request),
                                  self._deadline(nbytes + pull.nbytes), server_id)
         except RemoteError as error:
             if error.code() != grpc.StatusCode.UNIMPLEMENTED:

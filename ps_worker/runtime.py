@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ps_common.consistency import parse_mode
+from ps_common.consistency import SYNC, parse_mode
 from ps_common.errors import InvalidArgument
 from ps_common.job import JobSpec
 from ps_common.rows import check_ids, dedup
@@ -253,7 +253,13 @@ class Trainer:
                                tasks_per_epoch=task.tasks_per_epoch, seed=self.job.seed)
         batches = list(iter_batches(self.dataset, indices, self.job.batch_size))
         result = TaskResult()
-        stepped = parse_mode(self.job.mode).stepped
+        mode = parse_mode(self.job.mode)
+        stepped = mode.stepped
+        if mode.kind == SYNC and self.tables:
+            # (JobSpec refuses it for the built-in models; a user's model shows it here.)
+            raise ValueError(f"model {self.job.model!r} has embedding tables "
+                             f"({', '.join(sorted(self.tables))}): sync averages whole "
+                             "variables only; train it in async or ssp:K")
         if stepped:
             # ssp:K and sync: this worker's pushes wait for the others while it trains this
             # task; it leaves the steps once the task is over, so that nobody waits for a
@@ -633,8 +639,8 @@ class Worker:
                 except RemoteError as error:
                     # Servers refuse pushes of an incarnation the coordinator declared gone
                     # (FAILED_PRECONDITION is what a push gets for that, and only that).
-                    if error.code().name != "FAILED_PRECONDITION":
-                        raise
+                    if error.code().name != "FAILED_PRECONDITION" or error.target == "client":
+                        raise  # (the client's own refusal is no server's fence)
                     log.warning("a server refused this incarnation's push (%s): it was "
                                 "declared gone", error.target)
                     raise Fenced() from None
