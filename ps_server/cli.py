@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-memory", type=parse_bytes, default=None,
                    help="memory a checkpoint may use for copies of shards that pushes change "
                    "while it writes; past it those pushes wait for the writer (default: 15%% "
-                   "of the machine's or container's memory, at least 256MiB)")
+                   "of the machine's or container's memory, at least 256MiB, at most the 30%% the "
+                   "default --memory-budget leaves)")
     p.add_argument("--push-memory", type=parse_bytes, default=None,
                    help="memory streamed pushes may wait in until all of each has arrived "
                    "(pushes are applied all or nothing); a push past it waits in a file in "

@@ -48,6 +48,10 @@ MIN_CHECKPOINT_MEMORY = 256 << 20
 
 
 def default_checkpoint_memory() -> int:
-    """15% of the machine's (or container's) memory, at least 256 MiB."""
+    """15% of the machine's (or container's) memory, at least 256 MiB, and never more than
+    the default budget leaves free (a small container: 30% of it)."""
     total = machine_memory_bytes()
-    return max(MIN_CHECKPOINT_MEMORY, int(total * DEFAULT_CHECKPOINT_FRACTION) if total else 0)
+    if not total:
+        return MIN_CHECKPOINT_MEMORY
+    wanted = max(MIN_CHECKPOINT_MEMORY, int(total * DEFAULT_CHECKPOINT_FRACTION))
+    return min(wanted, total - default_memory_budget())

@@ -285,7 +285,7 @@ class Coordinator:
         if self._state_file is not None and self.runner.job is not None:
             threading.Thread(target=self._keep_state_saved, name="ps-coordinator-state",
                              daemon=True).start()
-        if self.checkpointer is not None and self.config.checkpoint_every is not None:
+        if self.checkpointer is not None:  # (with --checkpoint-every off: new variables only)
             threading.Thread(target=run_periodically, name="ps-coordinator-checkpoints",
                              args=(self.checkpointer, self.config.checkpoint_every,
                                    lambda: self.runner.snapshot()["steps"], self._stopping,

@@ -234,17 +234,21 @@ class Checkpointer:
         return True
 
 
-def run_periodically(checkpointer: Checkpointer, every: Interval, steps: Callable[[], int],
-                     stopping: threading.Event, paused: Callable[[], bool]) -> None:
-    """Take a checkpoint every `every` until `stopping` is set (a thread's body). A variable
-    no checkpoint holds yet goes into one at once: until then, losing its server would lose
-    it, rather than at most one interval of its training."""
+def run_periodically(checkpointer: Checkpointer, every: Interval | None,
+                     steps: Callable[[], int], stopping: threading.Event,
+                     paused: Callable[[], bool]) -> None:
+    """Take a checkpoint every `every` (None: never by the clock or the steps) until
+    `stopping` is set (a thread's body). A variable no checkpoint holds yet goes into one at
+    once, whatever `every` says: until then, losing its server would lose it, rather than at
+    most one interval of its training."""
     last = {"time": time.monotonic(), "step": checkpointer.last_taken_at_step}
     not_before = 0.0  # after a failure, a pause before the next try
 
     def due() -> str:
         if checkpointer.uncovered():
             return "new variables"
+        if every is None:
+            return ""
         if every.steps:
             since = steps() - max(last["step"], checkpointer.last_taken_at_step)
             return f"every {every.describe()}" if since >= every.steps else ""

@@ -272,3 +272,22 @@ def test_an_altered_manifest_is_caught_by_its_own_checksum(make_cluster, tmp_pat
         second = make_cluster(servers=1, checkpoint_dir=tmp_path)
     assert any("manifest does not match" in r.getMessage() for r in caplog.records)
     assert second.coordinator.checkpointer.catalog.current().id == good.id
+
+
+def test_checkpoint_every_off_still_checkpoints_new_variables_at_once(make_cluster, tmp_path):
+    """README (Checkpoints): the coordinator has every server write its shards "every
+    `--checkpoint-every`, as soon as new variables are declared, on `ps-ctl checkpoint`, and
+    at the end of the job"; `ps-coordinator --help`: "--checkpoint-every ... or off (only
+    ps-ctl checkpoint); one is also taken at the end of the job and as soon as new variables
+    are declared". With `off` too: else a server that restarts before the end of the job
+    would have nothing to restore its shards from (DATA_LOSS)."""
+    from ps_server.coordinator.cli import checkpoint_interval
+
+    assert checkpoint_interval("off") is None  # what `--checkpoint-every off` configures
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path, checkpoint_every=None)
+    checkpointer = cluster.coordinator.checkpointer
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), optimizer=SGD1)
+        wait_until(lambda: checkpointer.last is not None and not checkpointer.uncovered(),
+                   "a checkpoint holding the newly declared variable", timeout_s=10.0)
+        assert "w" in checkpointer.last.variables
