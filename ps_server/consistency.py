@@ -66,7 +66,8 @@ class StepStats:
     """What a server's steps look like now, for metrics (StepGate.stats)."""
     mode: str  # "" while nobody takes part
     members: int
-    step: int  # sync: steps applied
+    step: int  # sync: steps done (the step being combined), applied or refused whole
+    applied: int  # sync: steps whose average was applied
     staleness_max: int
     dropped_stale: int
     waits: int  # stepped pushes answered (each after its wait, if any)
@@ -179,7 +180,8 @@ class StepGate:
         self._started = False  # sync: its first step has been applied
         self._joined_before_start: set[str] = set()  # sync: for `replicas`
         self._high = 0  # ssp: the most steps any member has finished
-        self._step = 0  # sync: steps applied
+        self._step = 0  # sync: steps done, applied or refused whole
+        self._applied = 0  # sync: steps whose average was applied
         self._pending = _Step()
         self._failed: dict[int, PSError] = {}  # sync: steps whose update failed (recent)
         # sync: per recent step, the contributions its update left unrecorded, with the
@@ -299,7 +301,7 @@ class StepGate:
         with self._changed:
             return StepStats(
                 mode=str(self._mode) if self._mode is not None and self._members else "",
-                members=len(self._members), step=self._step,
+                members=len(self._members), step=self._step, applied=self._applied,
                 staleness_max=self.staleness_max, dropped_stale=self.dropped_stale,
                 waits=self._waits, waited_s=self._waited_s)
 
@@ -412,6 +414,7 @@ class StepGate:
         try:
             left_out = self._apply_average(list(pending.contributions.values()), targets,
                                            averages)
+            self._applied += 1
             if left_out:
                 self._left_out[self._step] = left_out
         except PSError as error:

@@ -248,13 +248,16 @@ class PushReceiver:
         whole, as a non-finite push is, rather than applied."""
         if not self._store.refuses_non_finite(any(c.refuse_non_finite for c in contributions)):
             return
+        lenient = [c.client_id for c in contributions if not c.refuse_non_finite]
         for held, average in zip(targets, averages):
             if average.size and not all_finite(average):
+                why = (f"a client that allows NaN and Inf ({', '.join(sorted(lenient))}) may "
+                       "have sent them" if lenient else
+                       "each was finite: lower the learning rate or clip the gradients")
                 raise InvalidArgument(
                     f"variable {held.spec.name!r} shard {held.shard.index}: the average of this "
                     f"sync step's {len(contributions)} gradients is not finite in "
-                    f"{held.spec.dtype} (each was finite); nothing of the step was applied "
-                    "here (lower the learning rate or clip the gradients)")
+                    f"{held.spec.dtype}; nothing of the step was applied here ({why})")
 
 
 class FiniteOnArrival:

@@ -29,7 +29,7 @@ from ps_common.tensors import (
     ByteReader, TensorMeta, all_finite, array_reader, check_narrowing, count_non_finite,
     wire_itemsize,
 )
-from ps_server.coordinator.placement import footprint
+from ps_server.footprint import footprint
 from ps_server.dynamic_rows import BOOKKEEPING_SLOTS, DynamicRows
 from ps_server.initializers import initialize_ids, initialize_rows, validate_initializer
 from ps_server.live_reads import preserve_for_reads

@@ -79,8 +79,8 @@ class ServerCollector:
         yield CounterMetricFamily(
             _name("step_dropped_stale"), "Gradients dropped because their step had been "
             "applied already (sync)", value=steps.dropped_stale)
-        yield CounterMetricFamily(_name("sync_steps"), "Averaged steps applied (sync)",
-                                  value=steps.step)
+        yield CounterMetricFamily(_name("sync_steps"), "Averaged steps applied (sync; a "
+                                  "step refused whole is not counted)", value=steps.applied)
         yield SummaryMetricFamily(
             _name("step_wait_seconds"), "Time stepped pushes waited for other clients "
             "before they were answered (ssp:K, sync)", count_value=steps.waits,

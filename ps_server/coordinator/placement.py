@@ -14,12 +14,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from ps_common.errors import InvalidArgument, NotReady, ResourceExhausted
 from ps_common.shardmap import Shard, ShardMap, VariableSpec, shard_capacity, split_rows
-from ps_server.dynamic_rows import ROW_OVERHEAD_BYTES
-from ps_server.optimizers import SLOTS, compute_dtype
+from ps_server.footprint import footprint
 
 
 @dataclass(frozen=True)
@@ -27,16 +24,6 @@ class Candidate:
     server_id: str
     address: str
     budget_bytes: int  # 0 = unlimited
-
-
-def footprint(spec: VariableSpec, rows: int) -> int:
-    """Bytes a shard of `rows` rows costs its server: values plus optimizer slots (and a
-    table's per-row step count under adam)."""
-    slots = len(SLOTS.get(spec.optimizer.name, ()))
-    element_bytes = np.dtype(spec.dtype).itemsize + slots * compute_dtype(spec.dtype).itemsize
-    row_steps = 8 if spec.is_table and spec.optimizer.name == "adam" else 0
-    bookkeeping = ROW_OVERHEAD_BYTES if spec.dynamic else 0
-    return rows * (spec.row_elements * element_bytes + row_steps + bookkeeping)
 
 
 def shard_rows(spec: VariableSpec, shard: Shard) -> int:

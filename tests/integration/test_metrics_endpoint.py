@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -155,3 +156,29 @@ def test_the_readme_lists_every_metric_served(make_cluster, tmp_path):
             "paramserve_worker_pull_wait_seconds"} <= names
     missing = sorted(n for n in names if f"`{n}`" not in readme and f"`{n}{{" not in readme)
     assert not missing, f"served but not in the README's Metrics table: {missing}"
+
+
+def test_sync_steps_total_counts_only_steps_whose_average_was_applied(make_cluster, spawn):
+    """README (Metrics): `paramserve_sync_steps_total` counts "averaged steps applied
+    (`sync`)". A step whose average the server refuses (nothing of it applied, both pushes
+    INVALID_ARGUMENT) does not count: here a client that allows non-finite gradients and one
+    that refuses them (its header asks) share a step on a server run with
+    --allow-non-finite, so the NaN average is refused whole, naming the lenient client."""
+    cluster = make_cluster(servers=1, metrics=True, allow_non_finite=True)
+    url = cluster.servers[0].metrics.url
+    with PSClient(cluster.coordinator_address, allow_non_finite=True) as lenient, \
+            PSClient(cluster.coordinator_address) as strict:
+        lenient.declare("w", shape=(4,), optimizer=SGD)
+        lenient.join_steps("sync", replicas=2)
+        strict.join_steps("sync", replicas=2)
+        nan_push = spawn(lenient.push, {"w": np.full(4, np.nan, np.float32)})
+        with pytest.raises(RemoteError) as refused:
+            strict.push({"w": np.ones(4, np.float32)})
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "allows NaN and Inf" in refused.value.details()
+        with pytest.raises(RemoteError):
+            nan_push.result()
+        np.testing.assert_array_equal(strict.pull("w"), np.zeros(4, np.float32))  # nothing applied
+        samples = scrape_metrics(url)
+        assert metric(samples, "paramserve_pushes_applied_total") == 0
+        assert metric(samples, "paramserve_sync_steps_total") == 0

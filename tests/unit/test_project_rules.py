@@ -28,6 +28,7 @@ DOMAIN_MODULES = [
     "ps_server/optimizers.py",
     "ps_server/sparse_optimizers.py",
     "ps_server/dynamic_rows.py",
+    "ps_server/footprint.py",
     "ps_common/rows.py",
     "ps_server/initializers.py",
     "ps_server/ledger.py",
@@ -233,3 +234,13 @@ def test_cupy_is_imported_in_exactly_one_module():
             if any(top(n) in ("cupy", "cupyx") for n in imports_of(path)):
                 importers.append(str(path.relative_to(ROOT)))
     assert importers == [CUPY_MODULE]
+
+
+def test_outside_the_coordinator_package_only_testing_imports_it():
+    """docs/architecture.md, section 3: "Outside `coordinator/`, only `testing.py` imports the
+    coordinator": the parameter-server daemon does not load the coordinator's code."""
+    importers = sorted(
+        str(path.relative_to(ROOT)) for path in (ROOT / "ps_server").glob("*.py")
+        if any(name == "ps_server.coordinator" or name.startswith("ps_server.coordinator.")
+               for name in imports_of(path)))
+    assert importers == ["ps_server/testing.py"]
