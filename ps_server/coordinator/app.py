@@ -16,7 +16,9 @@ from ps_common.telemetry import MetricsEndpoint
 from ps_common.tls import TLS
 from ps_proto.v1 import coordinator_pb2_grpc
 from ps_server.coordinator.assigner import Assigner
-from ps_server.coordinator.checkpointer import Catalog, Checkpointer, Interval, run_periodically
+from ps_server.coordinator.checkpointer import (
+    Catalog, Checkpointer, Interval, run_periodically, take_last,
+)
 from ps_server.coordinator.directory_lock import DirectoryLock
 from ps_server.coordinator.identity import (
     ClientRegistry, Incarnations, RetiredLog, new_generation,
@@ -345,10 +347,8 @@ class Coordinator:
                 "%s", job_over_line(summary))
         if (self.checkpointer is not None and self.runner.state is JobState.DONE
                 and self.state.shard_map.shards):
-            try:
-                self.checkpointer.take("end of the job")
-            except Exception as error:  # noqa: BLE001 - the job's outcome stands regardless
-                log.error("the end-of-job checkpoint failed: %s", error)
+            take_last(self.checkpointer, "end of the job",
+                      give_up_after_s=self.config.server_timeout_s, stopping=self._stopping)
         self._save_state()
         self._servers_may_stop.set()
         if self.config.keep_serving:

@@ -269,6 +269,28 @@ def run_periodically(checkpointer: Checkpointer, every: Interval | None,
         last.update(time=time.monotonic(), step=steps())
 
 
+def take_last(checkpointer: Checkpointer, reason: str, *, give_up_after_s: float,
+              stopping: threading.Event, retry_every_s: float = 1.0,
+              clock: Callable[[], float] = time.monotonic) -> Manifest | None:
+    """A checkpoint that has no next one to make up for it (the job's last, before servers
+    are told to exit and take what it did not save with them): tried again while it fails,
+    e.g. while a server holding shards restarts, for up to `give_up_after_s` (a server away
+    that long is lost anyway) or until `stopping` is set. Returns it, or None, logged."""
+    give_up_at = clock() + give_up_after_s
+    while True:
+        try:
+            return checkpointer.take(reason)
+        except Exception as error:  # noqa: BLE001 - what comes after it must still happen
+            message = getattr(error, "message", error)
+            if stopping.is_set() or clock() >= give_up_at:
+                log.error("the %s checkpoint failed: %s", reason, message)
+                return None
+            log.warning("the %s checkpoint failed (%s); trying again", reason, message)
+        if stopping.wait(retry_every_s):
+            log.error("the %s checkpoint was not taken: the coordinator is stopping", reason)
+            return None
+
+
 def _unwritable(path: Path, error: OSError) -> CheckpointFailed:
     return CheckpointFailed(f"the coordinator cannot write checkpoint {path}: "
                             f"{error.strerror or error} (disk full, no permission or a "
