@@ -131,6 +131,14 @@ def test_w4_latency():
     assert all(r[k]["count"] == 50 for k in ("paramserve", "bare_unary", "bare_unary_stream"))
 
 
+@pytest.mark.parametrize("path", [(), ("--no-shm",)], ids=["shm", "grpc"])
+def test_w1_data_path(path):
+    r = run_quick("w1_data_path.py", *path)
+    assert r["path"] == ("grpc" if path else "shm") and r["steps"] == 5
+    assert r["paramserve"]["data_paths"] == [r["path"]]
+    assert {"client", "s0", "s1"} == r["paramserve"]["cpu_ms_per_step_by_process"].keys()
+
+
 def test_bare_grpc():
     r = run_quick("bare_grpc.py")
     assert {"transfer", "transfer_no_copy", "echo_us", "server_peak_rss_bytes"} <= r.keys()
