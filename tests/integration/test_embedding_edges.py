@@ -8,7 +8,6 @@ import threading
 
 import numpy as np
 
-import ps_worker.runtime as runtime
 from ps_common.job import JobSpec
 from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_worker import PSClient
