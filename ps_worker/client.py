@@ -911,8 +911,13 @@ class PSClient:
 
     def pull_rows_async(self, name: str, ids, *, out: np.ndarray | None = None,
                         wire_dtype: str | None = None) -> futures.Future:
-        """`pull_rows` in the background; returns a Future of its array."""
+        """`pull_rows` in the background; returns a Future of its array. `ids` are copied
+        at the call: the caller may refill its array right away (not `out`, until done)."""
         self._refuse_if_closed(closing=True)
+        if isinstance(ids, np.ndarray):
+            ids = ids.copy()
+        elif isinstance(ids, list):
+            ids = list(ids)
         return self._submit(self._prefetch_pool, self.pull_rows, name, ids, out=out,
                             wire_dtype=wire_dtype)
 

@@ -227,6 +227,14 @@ class Trainer:
                 table_ids = check_ids(table_ids, what=f"the model's row_ids(), table {name!r}")
             except InvalidArgument as error:
                 raise ValueError(str(error)) from None
+            rows = self.tables[name].num_rows
+            if rows is not None and len(table_ids) and not (
+                    0 <= int(table_ids.min()) and int(table_ids.max()) < rows):
+                # The model's data does not fit its table: a job error, as a bad gradient is
+                # (the client's OUT_OF_RANGE would end this worker and no other).
+                raise ValueError(f"the model's row_ids(), table {name!r}: ids "
+                                 f"{int(table_ids.min())}..{int(table_ids.max())} are not all "
+                                 f"in its rows 0:{rows}")
             unique[name], inverse[name] = dedup(table_ids)
         # Buffers sized by the batch's ids, an upper bound of the distinct ones: reused.
         return _RowPull(unique, inverse, {

@@ -149,3 +149,35 @@ def test_a_user_model_with_tables_in_sync_fails_the_job_instead_of_re_registerin
         f"reporting the job error; outcome {outcome}")
     assert len(fake.job_errors) == 1 and "sync" in fake.job_errors[0], fake.job_errors
     assert isinstance(outcome.get("error"), JobCannotRun), outcome
+
+
+def test_pull_rows_async_reads_the_ids_as_they_were_at_the_call(cluster, monkeypatch):
+    """A trainer that refills one ids buffer for the next batch right after pull_rows_async
+    gets the rows of the ids it asked for, whenever the background pull starts."""
+    from concurrent.futures import Future
+
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare_embedding("emb", dim=1, num_rows=8, init="zeros", optimizer=SGD1)
+        ps.push_rows("emb", np.arange(8, dtype=np.int64),
+                     -np.arange(8, dtype=np.float32).reshape(8, 1))  # row i holds i
+        deferred = []
+
+        real_submit = ps._submit
+
+        def submit_later(pool, fn, *args, **kwargs):
+            if pool is not ps._prefetch_pool:  # the pull's own calls to each server
+                return real_submit(pool, fn, *args, **kwargs)
+            future = Future()
+            deferred.append((future, fn, args, kwargs))
+            return future
+
+        monkeypatch.setattr(ps, "_submit", submit_later)
+        ids = np.array([1, 2], np.int64)
+        pulled = ps.pull_rows_async("emb", ids)
+        ids[:] = [5, 6]  # the next batch's ids, before the pull has started
+        future, fn, args, kwargs = deferred[0]
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as error:  # the client waits for its futures when it closes
+            future.set_exception(error)
+        np.testing.assert_array_equal(pulled.result(), [[1.0], [2.0]])

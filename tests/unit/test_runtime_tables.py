@@ -459,3 +459,23 @@ def test_in_ssp_a_steps_row_gradients_land_before_the_push_that_finishes_it() ->
     steps = order.count("push_rows")
     assert steps > 1
     assert order == ["push_rows", "push_pull"] * (steps - 1) + ["push_rows", "push"]
+
+
+def test_row_ids_outside_a_fixed_table_are_a_job_error_naming_the_table() -> None:
+    """A model whose row_ids() go past its fixed table's rows cannot run the job: the
+    trainer raises ValueError (reported to the coordinator as a job error), before any
+    pull, instead of the client's OUT_OF_RANGE ending this worker alone."""
+    trainer, ps = ctr_trainer()
+    rows = trainer.tables["embedding"].num_rows
+    real_row_ids = trainer.model.row_ids
+
+    def past_the_table(batch):
+        ids = dict(real_row_ids(batch))
+        ids["embedding"] = ids["embedding"].copy()
+        ids["embedding"][-1] = rows
+        return ids
+
+    trainer.model.row_ids = past_the_table
+    with pytest.raises(ValueError, match=f"table 'embedding'.*rows 0:{rows}"):
+        trainer.train(ps, task(1), should_stop=lambda: False)
+    assert ps.of("pull_rows") == []
