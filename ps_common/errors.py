@@ -9,10 +9,20 @@ names the variable, flag or value at fault and what was expected against what ca
 from __future__ import annotations
 
 
+# The domain of the reasons below (google.rpc.ErrorInfo.domain).
+ERROR_DOMAIN = "paramserve"
+# Reasons (google.rpc.ErrorInfo.reason): causes a client acts on, not by a message's words.
+NON_FINITE_GRADIENT = "NON_FINITE_GRADIENT"
+FENCED_INCARNATION = "FENCED_INCARNATION"
+STEP_TIMEOUT = "STEP_TIMEOUT"
+
+
 class PSError(Exception):
-    """Base of every error that crosses the wire. `code` is a grpc.StatusCode name."""
+    """Base of every error that crosses the wire. `code` is a grpc.StatusCode name;
+    `reason`, where set, travels as a google.rpc.ErrorInfo (RemoteError.reason)."""
 
     code = "INTERNAL"
+    reason = ""
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -23,6 +33,13 @@ class InvalidArgument(PSError):
     """The request itself is wrong (dtype, shape, row range, non-finite values, bad spec)."""
 
     code = "INVALID_ARGUMENT"
+
+
+class NonFiniteGradient(InvalidArgument):
+    """A gradient, or a sum or average of gradients, holds NaN or Inf: nothing was applied.
+    A model that sends one has diverged (or its data holds NaN)."""
+
+    reason = NON_FINITE_GRADIENT
 
 
 class OutOfRange(PSError):
@@ -41,12 +58,6 @@ class UnknownVariable(NotFound):
 
 class SpecConflict(PSError):
     """A variable was declared again with a different spec."""
-
-    code = "FAILED_PRECONDITION"
-
-
-class FencedIncarnation(PSError):
-    """A client pushed with an incarnation older than one the server has already seen."""
 
     code = "FAILED_PRECONDITION"
 
@@ -83,6 +94,14 @@ class FailedPrecondition(PSError):
     code = "FAILED_PRECONDITION"
 
 
+class FencedIncarnation(FailedPrecondition):
+    """A client pushed with an incarnation older than one the server has already seen, one
+    the coordinator retired, or one no longer in the server's steps: it must register again."""
+
+    code = "FAILED_PRECONDITION"
+    reason = FENCED_INCARNATION
+
+
 class StaleEpoch(PSError):
     """The request used an outdated shard map: refresh it from the coordinator and retry."""
 
@@ -107,6 +126,7 @@ class StepTimeout(PSError):
     """A stepped push (ssp:K, sync) waited its longest for other clients of its step."""
 
     code = "DEADLINE_EXCEEDED"
+    reason = STEP_TIMEOUT
 
 
 class ResourceExhausted(PSError):

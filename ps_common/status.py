@@ -18,7 +18,7 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from ps_common.errors import Overloaded, PSError, StaleEpoch
+from ps_common.errors import ERROR_DOMAIN, Overloaded, PSError, StaleEpoch
 from ps_common.tls import HANDSHAKE_HINT, looks_like_handshake_failure
 from ps_proto.v1 import tensor_pb2
 
@@ -72,6 +72,10 @@ def status_of(error: PSError) -> status_pb2.Status:
         delay.FromNanoseconds(int(error.retry_after_s * 1e9))
         detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
         details.append(detail)
+    if error.reason:
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN))
+        details.append(detail)
     return status_pb2.Status(code=getattr(code_pb2, error.code),
                              message=bounded(error.message), details=details)
 
@@ -108,13 +112,16 @@ class RemoteError(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str, *, target: str = "",
                  stale_epoch: tensor_pb2.StaleEpoch | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, reason: str = ""):
         prefix = f"{target}: " if target else ""
         super().__init__(f"{prefix}{code.name}: {message}")
         self._code = code
         self._message = message
         self.target = target
         self.stale_epoch = stale_epoch
+        # The cause, where the server named one (ps_common.errors' reasons: a push refused
+        # for a non-finite gradient, a fenced incarnation, a step waited its longest).
+        self.reason = reason
         # Set when the server asked to be retried after a delay (google.rpc.RetryInfo).
         self.retry_after_s = retry_after_s
         # What to check when the connection failed for a reason of TLS (connection_hint of
@@ -155,12 +162,16 @@ class RemoteError(Exception):
     @classmethod
     def _with_details(cls, code: grpc.StatusCode, message: str, details,
                       target: str) -> "RemoteError":
-        stale, retry_after = None, None
+        stale, retry_after, reason = None, None, ""
         for detail in details:
             candidate = tensor_pb2.StaleEpoch()
             retry = error_details_pb2.RetryInfo()
+            info = error_details_pb2.ErrorInfo()
             if detail.Unpack(candidate):
                 stale = candidate
             elif detail.Unpack(retry):
                 retry_after = retry.retry_delay.ToNanoseconds() / 1e9
-        return cls(code, message, target=target, stale_epoch=stale, retry_after_s=retry_after)
+            elif detail.Unpack(info) and info.domain == ERROR_DOMAIN:
+                reason = info.reason
+        return cls(code, message, target=target, stale_epoch=stale, retry_after_s=retry_after,
+                   reason=reason)

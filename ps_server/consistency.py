@@ -28,7 +28,9 @@ from typing import Callable
 import numpy as np
 
 from ps_common.consistency import SYNC, Mode
-from ps_common.errors import FailedPrecondition, NotReady, PSError, StepTimeout
+from ps_common.errors import (
+    FailedPrecondition, FencedIncarnation, NotReady, PSError, StepTimeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +226,7 @@ class StepGate:
                     self._replicas = replicas
             current = self._members.get(client_id)
             if current is not None and current.incarnation > incarnation:
-                raise FailedPrecondition(
+                raise FencedIncarnation(
                     f"client {client_id!r} incarnation {incarnation} was replaced by "
                     f"incarnation {current.incarnation}: register again")
             if mode.kind == SYNC:
@@ -441,7 +443,7 @@ class StepGate:
     def _member(self, client_id: str, incarnation: int) -> _Member:
         member = self._members.get(client_id)
         if member is None or member.incarnation != incarnation:
-            raise FailedPrecondition(
+            raise FencedIncarnation(
                 f"client {client_id!r} incarnation {incarnation} has not joined this "
                 "server's steps (or left them, or was declared dead): JoinSteps first")
         return member

@@ -16,7 +16,7 @@ from typing import Iterable
 import numpy as np
 
 from ps_common.consistency import SYNC
-from ps_common.errors import FencedIncarnation, InvalidArgument, PSError
+from ps_common.errors import FencedIncarnation, InvalidArgument, NonFiniteGradient, PSError
 from ps_common.tensors import (
     StreamAssembler, TensorMeta, all_finite, finite_in_both, wire_raw_dtype,
 )
@@ -254,7 +254,7 @@ class PushReceiver:
                 why = (f"a client that allows NaN and Inf ({', '.join(sorted(lenient))}) may "
                        "have sent them" if lenient else
                        "each was finite: lower the learning rate or clip the gradients")
-                raise InvalidArgument(
+                raise NonFiniteGradient(
                     f"variable {held.spec.name!r} shard {held.shard.index}: the average of this "
                     f"sync step's {len(contributions)} gradients is not finite in "
                     f"{held.spec.dtype}; nothing of the step was applied here ({why})")

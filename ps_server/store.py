@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps_common.errors import (
-    InvalidArgument, NotReady, OutOfRange, ResourceExhausted, StaleEpoch, TrainedShardConflict,
-    UnknownVariable,
+    InvalidArgument, NonFiniteGradient, NotReady, OutOfRange, ResourceExhausted, StaleEpoch,
+    TrainedShardConflict, UnknownVariable,
 )
 from ps_common.rows import dedup, sum_duplicates
 from ps_common.shardmap import (
@@ -563,7 +563,7 @@ class ShardStore:
         for i, (held, grad) in enumerate(zip(targets, grads)):
             if i not in finite and grad.size and not all_finite(grad, read_block):
                 bad = count_non_finite(grad, read_block)
-                raise InvalidArgument(
+                raise NonFiniteGradient(
                     f"{held.describe()}: gradient has {bad} non-finite value(s) (NaN or Inf); "
                     f"nothing was applied ({self._accept_them(client_refuses)})")
 
@@ -590,7 +590,7 @@ class ShardStore:
                     summed = sum_duplicates(grad, inverse, len(unique))
             if self.refuses_non_finite(client_refuses) and summed.size \
                     and not all_finite(summed):
-                raise InvalidArgument(
+                raise NonFiniteGradient(
                     f"{held.describe()}: the gradients of a repeated id sum to a non-finite "
                     f"value (NaN or Inf); nothing was applied "
                     f"({self._accept_them(client_refuses)})")

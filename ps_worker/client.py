@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from ps_common.consistency import SYNC, Mode, parse_mode
-from ps_common.errors import InvalidArgument, OutOfRange
+from ps_common.errors import NON_FINITE_GRADIENT, STEP_TIMEOUT, InvalidArgument, OutOfRange
 from ps_common.rows import check_ids, dedup, sum_duplicates
 from ps_common.rpc import (
     DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES, READ_RETRY_CODES, RetryPolicy, call_with_retry,
@@ -85,8 +85,8 @@ FIELD_FRAMING_BYTES = 64
 HANDSHAKE_RETRY_S = 5.0
 
 
-def _local_error(code: grpc.StatusCode, message: str) -> RemoteError:
-    return RemoteError(code, message, target="client")
+def _local_error(code: grpc.StatusCode, message: str, reason: str = "") -> RemoteError:
+    return RemoteError(code, message, target="client", reason=reason)
 
 
 class _DataPath:
@@ -966,7 +966,8 @@ class PSClient:
                 # server does.
                 raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"variable {name!r}: the gradients of a repeated id sum to "
-                                   "a non-finite value (NaN or Inf); nothing was applied")
+                                   "a non-finite value (NaN or Inf); nothing was applied",
+                                   NON_FINITE_GRADIENT)
         # Summed before narrowing to the wire dtype; a NaN or Inf anywhere shows in the sums.
         summed, wire = self._encode(spec, summed, (len(unique), spec.shape[1]), wire_dtype)
         groups = self._rows_by_server(spec, shard_map, unique)
@@ -1512,7 +1513,8 @@ class PSClient:
         if not all_finite(checked):
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"variable {spec.name!r}: gradient has non-finite values (NaN or "
-                               f"Inf) in wire dtype {wire}; nothing was applied")
+                               f"Inf) in wire dtype {wire}; nothing was applied",
+                               NON_FINITE_GRADIENT)
 
     @staticmethod
     def _check_gradient(spec: VariableSpec, grad: np.ndarray, shape: tuple[int, ...],
@@ -1705,7 +1707,7 @@ class PSClient:
             raise _local_error(grpc.StatusCode.INVALID_ARGUMENT,
                                f"variable {piece.shard.variable!r}: gradient has non-finite "
                                f"values (NaN or Inf) in wire dtype {piece.wire_dtype}; nothing "
-                               "was applied")
+                               "was applied", NON_FINITE_GRADIENT)
 
         unanswered = [False]
 
@@ -1801,6 +1803,9 @@ class PSClient:
         def on_retry(attempts: int, error: RemoteError) -> None:
             if error.retry_after_s is not None:
                 return  # busy, not away: the server asked us to come back shortly
+            if error.reason == STEP_TIMEOUT:  # (a policy that retries DEADLINE_EXCEEDED)
+                log.info("%s; waiting on", error)  # answering, not away
+                return
             self._note_unreachable(server_id, address, error, patient)
             if patient and self._server_moved(shard_map, server_id):
                 raise error

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from ps_common.job import JobSpec
-from ps_common.rpc import RetryPolicy, call_with_retry, make_channel
+from ps_common.rpc import READ_RETRY_CODES, RetryPolicy, call_with_retry, make_channel
 from ps_common.status import RemoteError
 from ps_common.tls import TLS
 from ps_proto.v1 import coordinator_pb2 as pb
@@ -106,9 +106,12 @@ class CoordinatorClient:
         self._timeout = rpc_timeout_s
         self._channel = make_channel(address, token, tls)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
-        # ~give_up_after_s of jittered backoff capped at 1 s per try.
+        # ~give_up_after_s of jittered backoff capped at 1 s per try, for a coordinator away
+        # (UNAVAILABLE) or one that let a call's deadline pass (paused, swapping): every call
+        # is safe to repeat (heartbeats, leases under their lease_id, deduplicated reports).
         self._retry = RetryPolicy(max_attempts=max(2, int(give_up_after_s / 0.75) + 1),
-                                  initial_backoff_s=0.1, max_backoff_s=1.0)
+                                  initial_backoff_s=0.1, max_backoff_s=1.0,
+                                  retry_codes=READ_RETRY_CODES)
         self._waits_lock = threading.Lock()
         self._waits: set[grpc.Future] = set()
         self._lease_ids = itertools.count(1)  # LeaseTaskRequest.lease_id
@@ -130,9 +133,13 @@ class CoordinatorClient:
             return rpc(request, timeout=timeout) if not wait_s else self._waiting(
                 rpc.future(request, timeout=timeout))
 
+        def on_retry(attempts: int, error: RemoteError) -> None:
+            if time.monotonic() >= give_up_at:
+                raise error  # not one retry past give_up_after_s
+
         try:
             return call_with_retry(attempt, target=self.address, policy=self._retry,
-                                   stop=self._stop)
+                                   stop=self._stop, on_retry=on_retry)
         except RemoteError as error:
             if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CoordinatorUnreachable(self.address, self._give_up_after_s, error,
@@ -241,10 +248,12 @@ class CoordinatorClient:
             raise
         return reply.next_epoch_started
 
-    def report_job_error(self, worker_id: str, incarnation: int, message: str) -> bool:
-        """Tell the coordinator this worker cannot run the job; True if that failed the job."""
+    def report_job_error(self, worker_id: str, incarnation: int, message: str, *,
+                         diverged: bool = False) -> bool:
+        """Tell the coordinator this worker cannot run the job (`diverged`: its model's
+        gradients are not finite); True if that failed the job."""
         reply = self._call("ReportJobError", pb.ReportJobErrorRequest(
-            worker_id=worker_id, incarnation=incarnation, message=message))
+            worker_id=worker_id, incarnation=incarnation, message=message, diverged=diverged))
         return reply.job_failed
 
     def status(self, *, watching: bool = False) -> dict:

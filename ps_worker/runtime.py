@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ps_common.consistency import SYNC, parse_mode
-from ps_common.errors import InvalidArgument
+from ps_common.errors import FENCED_INCARNATION, NON_FINITE_GRADIENT, InvalidArgument
 from ps_common.job import JobSpec
 from ps_common.rows import check_ids, dedup
-from ps_common.rpc import RetryPolicy
+from ps_common.rpc import READ_RETRY_CODES, RetryPolicy
 from ps_common.shardmap import Component, VariableSpec
 from ps_common.status import RemoteError
 from ps_common.tls import TLS
@@ -50,7 +50,11 @@ log = logging.getLogger("ps-worker")
 # A worker waits for a parameter server that is away for as long as it takes, with one log
 # line: the coordinator decides when the job gives up on the server (--server-timeout; the
 # heartbeat then answers STOP), and SIGTERM ends the wait too (both interrupt the PSClient).
-SERVER_OUTAGE_RETRY = RetryPolicy(max_attempts=None, initial_backoff_s=0.05, max_backoff_s=2.0)
+# A worker's calls to servers wait out an outage, and a deadline passed: a stepped push that
+# waited its longest for a straggler (ssp:K, sync) waits again, under its sequence (counted
+# once), until the straggler comes or the coordinator declares it dead.
+SERVER_OUTAGE_RETRY = RetryPolicy(max_attempts=None, initial_backoff_s=0.05, max_backoff_s=2.0,
+                                  retry_codes=READ_RETRY_CODES)
 # With nothing to run (the epoch's last tasks run elsewhere), a worker's lease waits at the
 # coordinator up to this long for a task, and starts it the moment it is pending.
 LEASE_WAIT_S = 1.0
@@ -156,6 +160,17 @@ class _RowPull:
 
 
 _NO_ROWS = _RowPull({}, {}, {})
+
+
+def _fenced(error: RemoteError) -> bool:
+    """Whether a server refused this incarnation (the coordinator declared it gone, or a
+    newer one of this worker replaced it). A server names that reason; one from before
+    reasons says FAILED_PRECONDITION with the incarnation in its message."""
+    if error.target == "client":
+        return False  # the client's own refusal is no server's fence
+    if error.reason:
+        return error.reason == FENCED_INCARNATION
+    return error.code().name == "FAILED_PRECONDITION" and "incarnation" in error.details()
 
 
 class Trainer:
@@ -645,13 +660,24 @@ class Worker:
                               if task.kind == "train" else
                               trainer.evaluate(ps, lambda task=task: self._parameters_read(task)))
                 except RemoteError as error:
-                    # Servers refuse pushes of an incarnation the coordinator declared gone
-                    # (FAILED_PRECONDITION is what a push gets for that, and only that).
-                    if error.code().name != "FAILED_PRECONDITION" or error.target == "client":
-                        raise  # (the client's own refusal is no server's fence)
-                    log.warning("a server refused this incarnation's push (%s): it was "
-                                "declared gone", error.target)
-                    raise Fenced() from None
+                    if _fenced(error):
+                        # Servers refuse pushes of an incarnation the coordinator declared
+                        # gone (or that a newer one of this worker replaced).
+                        log.warning("a server refused this incarnation's push (%s): it was "
+                                    "declared gone", error.target)
+                        raise Fenced() from None
+                    if self._interrupted():
+                        raise
+                    if error.reason == NON_FINITE_GRADIENT:
+                        # The model diverged (or its data holds NaN): every worker computes
+                        # from the same values, so the job fails, saying why.
+                        self._cannot_run(task, error, diverged=True)
+                    if (error.code().name == "FAILED_PRECONDITION"
+                            and error.target != "client"):
+                        # A server cannot take this job's steps (its --max-streams clients
+                        # take part, or others in another mode): the job cannot run here.
+                        self._cannot_run(task, error)
+                    raise
                 except ValueError as error:
                     if self._interrupted():
                         raise
@@ -659,10 +685,7 @@ class Worker:
                     # ids) or raised ValueError: the job cannot run here, as when it does
                     # not load, and the coordinator hears why (it fails the job if no
                     # worker has shown that it can run) instead of waiting for the task.
-                    message = f"{task.kind} task of epoch {task.epoch}: {error}"
-                    failed = self._coordinator.report_job_error(
-                        self.worker_id, self._incarnation, message)
-                    raise JobCannotRun(message, job_failed=failed) from None
+                    self._cannot_run(task, error)
                 if self._interrupted():
                     continue
                 try:
@@ -682,6 +705,14 @@ class Worker:
                          result.loss_sum / max(1, result.examples),
                          "" if result.auc is None else f", auc {result.auc:.4f}",
                          result.seconds)
+
+    def _cannot_run(self, task: LeasedTask, error: Exception, *, diverged: bool = False):
+        """Report that this worker cannot run the job (the coordinator fails it when nobody
+        has shown it can run, or when the model diverged), and raise JobCannotRun."""
+        message = f"{task.kind} task of epoch {task.epoch}: {error}"
+        failed = self._coordinator.report_job_error(self.worker_id, self._incarnation,
+                                                    message, diverged=diverged)
+        raise JobCannotRun(message, job_failed=failed) from None
 
     def _parameters_read(self, task: LeasedTask) -> None:
         """The evaluation `task` has its parameters: the coordinator may start the next

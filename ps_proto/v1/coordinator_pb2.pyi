@@ -1209,19 +1209,25 @@ class ReportJobErrorRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    DIVERGED_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     incarnation: _builtins.int
     message: _builtins.str
+    diverged: _builtins.bool
+    """The model's gradients are not finite (NaN or Inf): every worker would compute such
+    gradients from the same values, so the job fails, whatever progress it has made.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
         message: _builtins.str = ...,
+        diverged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "message", b"message", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["diverged", b"diverged", "incarnation", b"incarnation", "message", b"message", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

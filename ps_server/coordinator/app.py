@@ -164,6 +164,8 @@ class Coordinator:
                                   cluster_tls=config.tls)
         incarnations = Incarnations(self.generation)
         retired = RetiredLog()
+        # The job had failed in an earlier run, found so by this one (exit 0: see cli.main).
+        self.failed_before_start = False
         self.runner = JobRunner(config.job, self._clock,
                                 heartbeat_timeout_s=config.heartbeat_timeout_s,
                                 incarnations=incarnations, on_worker_gone=retired.append,
@@ -255,6 +257,7 @@ class Coordinator:
                 log.warning("starting the job afresh")
             return
         snap = self.runner.snapshot()
+        self.failed_before_start = snap["state"] is JobState.FAILED
         log.info("resumed the job from %s: %s, epoch %d/%d, %d of %d task(s) done, %d step(s)",
                  source, snap["state"].value, snap["epoch"], snap["epochs"], snap["tasks_done"],
                  snap["tasks_total"], snap["steps"])

@@ -193,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("stopped")
     if coordinator.runner.failure:
         log.error("the job failed: %s", coordinator.runner.failure)
-        code = 1
+        # A run that only found the job failed (restarted on its state) says so and exits 0:
+        # the run that failed it exited 1, and a supervisor that restarts what fails
+        # (restart: on-failure) would otherwise start this one again for ever.
+        code = 0 if coordinator.failed_before_start else 1
     return code
 
 

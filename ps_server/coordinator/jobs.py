@@ -728,17 +728,26 @@ class JobRunner:
         worker.wait_s = steps.wait_s
         self._step_reports[(worker.worker_id, worker.incarnation)] = steps
 
-    def report_job_error(self, worker_id: str, incarnation: int, message: str) -> bool:
+    def report_job_error(self, worker_id: str, incarnation: int, message: str, *,
+                         diverged: bool = False) -> bool:
         """A worker cannot run the job (data or model does not load). It is marked dead with
         the message as reason and its tasks go back. If no task has been done yet and no
         live worker is left, nobody has shown the job can run: it fails (one worker with a
-        broken mount among healthy ones does not fail the job). Returns True if it failed."""
+        broken mount among healthy ones does not fail the job). `diverged`: the model's
+        gradients are not finite, as every worker's would be from the same values: the job
+        fails whatever its progress. Returns True if it failed."""
         now = self._clock.monotonic()
         with self._locked():
             worker = self._current(worker_id, incarnation)
             if worker is not None:
                 self._leave(worker, WorkerState.DEAD, now, f"cannot run the job: {message}")
-            if self.state is JobState.RUNNING and self._tasks_done == 0 and self._alive == 0:
+            if self.state is not JobState.RUNNING:
+                return False
+            if diverged:
+                self._finish(JobState.FAILED, f"the model diverged on worker {worker_id}: "
+                             f"{message}")
+                return True
+            if self._tasks_done == 0 and self._alive == 0:
                 self._finish(JobState.FAILED, f"worker {worker_id} cannot run the job: {message}")
                 return True
             return False

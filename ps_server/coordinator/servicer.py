@@ -209,7 +209,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ReportJobError(self, request, context):
         with translate_errors(context, "ReportJobError"):
             failed = self._runner.report_job_error(
-                request.worker_id, request.incarnation, request.message[:2000])
+                request.worker_id, request.incarnation, request.message[:2000],
+                diverged=request.diverged)
             return pb.ReportJobErrorReply(job_failed=failed)
 
     def GetStatus(self, request, context):

@@ -105,7 +105,7 @@ class OneTaskCoordinator:
             self.leased = True
         return "task", LeasedTask(task_id=1, kind="train", epoch=0, index=0, tasks_per_epoch=1)
 
-    def report_job_error(self, worker_id, incarnation, message):
+    def report_job_error(self, worker_id, incarnation, message, diverged=False):
         self.job_errors.append(message)
         return True
 

@@ -14,7 +14,10 @@ import pytest
 
 from ps_common.cli import parse_bytes, run_until_signal
 from ps_common.clock import FakeClock
-from ps_common.errors import InvalidArgument, NotReady, StaleEpoch, UnknownVariable
+from ps_common.errors import (
+    FencedIncarnation, InvalidArgument, NonFiniteGradient, NotReady, StaleEpoch, StepTimeout,
+    UnknownVariable,
+)
 from ps_common.rpc import READ_RETRY_CODES, RetryPolicy, call_with_retry
 from ps_common.status import RemoteError, translate_errors
 
@@ -432,3 +435,19 @@ def test_a_child_of_ps_cluster_asks_for_sigterm_when_it_dies_or_does_not_start()
     orphan = probe(os.getpid() + 10_000_000)  # a parent that is gone (no such pid)
     assert orphan.returncode == 1 and DIE_WITH_ENV in orphan.stderr
     assert "not starting" in orphan.stderr
+
+
+@pytest.mark.parametrize("error, reason", [
+    (NonFiniteGradient("w: NaN"), "NON_FINITE_GRADIENT"),
+    (FencedIncarnation("c retired"), "FENCED_INCARNATION"),
+    (StepTimeout("waited 30 s"), "STEP_TIMEOUT"),
+    (InvalidArgument("bad shape"), ""),
+])
+def test_an_errors_reason_reaches_the_client_as_error_info(error, reason):
+    """A cause a client acts on (a diverged model, a fence, a step waited out) travels as a
+    google.rpc.ErrorInfo of paramserve's domain, not in the message's words."""
+    from ps_common.status import status_of
+
+    remote = RemoteError.from_status(status_of(error), target="ps-0")
+    assert remote.reason == reason and remote.code().name == error.code
+    assert remote.details() == error.message

@@ -77,7 +77,7 @@ class FakeCoordinator:
             return "reregister", None
         return "done", None
 
-    def report_job_error(self, *args):
+    def report_job_error(self, *args, **kwargs):
         raise AssertionError("no job error is expected")
 
     def interrupt_waits(self):

@@ -70,7 +70,7 @@ class FakeCoordinator:
             return "wait", 0.0
         return "done", None
 
-    def report_job_error(self, *args):
+    def report_job_error(self, *args, **kwargs):
         raise AssertionError("no job error is expected")
 
     def interrupt_waits(self):
