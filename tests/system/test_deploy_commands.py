@@ -149,7 +149,8 @@ def test_compose_shares_one_checkpoint_volume_and_restarts_what_fails():
     for name in servers:
         assert f"{volume}:{checkpoint_dir}" in services[name]["volumes"], name
     for name, service in services.items():
-        assert service["restart"] == "on-failure", name
+        # What fails is restarted (workers a bounded number of times: see the file).
+        assert service["restart"].split(":")[0] == "on-failure", name
 
 
 def test_kubernetes_servers_are_a_statefulset_sharing_the_coordinators_volume():
