@@ -88,12 +88,16 @@ def _container(replica: dict) -> dict:
 
 
 def _localize(args: list[str], mounts: dict[str, Path]) -> list[str]:
-    """A container's args with mounted paths mapped to the test's directories."""
+    """A container's args with mounted paths mapped to the test's directories, and a GPU
+    worker's `--device cuda` run on the CPU (the pods ask for a GPU; this machine may have
+    none, and the job is the same)."""
     out = []
     for arg in map(str, args):
         for mount_path, local in mounts.items():
             if arg == mount_path or arg.startswith(mount_path + "/"):
                 arg = str(local) + arg[len(mount_path):]
+        if out and out[-1] == "--device" and arg == "cuda":
+            arg = "cpu"
         out.append(arg)
     return out
 
