@@ -47,7 +47,9 @@ from ps_common.tensors import (
 )
 from ps_common.wire import shardmap_from_proto, spec_to_proto
 from ps_worker.one_call_pulls import MAX_KEPT as MAX_KEPT_PULLS, OneCallPull
-from ps_worker.shared_memory import HandshakeFailed, ConnectionLost, SharedConnection
+from ps_worker.shared_memory import (
+    OWNER_CHECK_S, ConnectionLost, HandshakeFailed, SharedConnection,
+)
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
 
@@ -336,6 +338,9 @@ class PSClient:
         self._handshake_retry_at: dict[str, float] = {}
         # (names, wire dtype) -> the pull one call answers (ps_worker.one_call_pulls)
         self._one_call_pulls: dict[tuple, OneCallPull] = {}
+        # When a shared-memory pull from a dead server last asked the coordinator whether
+        # its shards were placed anew (_refuse_if_placed_anew).
+        self._placement_checked_at = 0.0
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -653,7 +658,7 @@ class PSClient:
                 outputs = self._pull_one_call(kept, out)
                 return outputs[0] if single else dict(zip(wanted, outputs))
             except RemoteError as error:
-                if not self._map_moved(kept.shard_map, error):
+                if not self._map_moved(kept.shard_map, error, wanted):
                     raise
                 # The map moved: the general path below, with the refreshed map.
         for _ in range(MAX_MAP_REFRESHES):
@@ -663,7 +668,7 @@ class PSClient:
                 self._run_per_server(shard_map, wanted, lambda sid, shards: self._pull_from(
                     shard_map, sid, shards, outputs, wire_dtype))
             except RemoteError as error:
-                if not self._map_moved(shard_map, error):
+                if not self._map_moved(shard_map, error, wanted):
                     raise
                 continue
             self._keep_one_call_pull(key, shard_map, wanted, wire_dtype)
@@ -740,21 +745,24 @@ class PSClient:
                                f"variable {spec.name!r}: wire dtype {wire_dtype} is wider than "
                                f"its stored dtype {spec.dtype}")
 
-    def _map_moved(self, used: ShardMap, error: RemoteError) -> bool:
+    def _map_moved(self, used: ShardMap, error: RemoteError, names=()) -> bool:
         """After a failed call: should it be redone with a fresh map? True when a server
         said the map was stale, or when a server stayed unreachable and the coordinator
-        now knows a newer map (e.g. the server came back at another address)."""
+        now knows a newer map (e.g. the server came back at another address) that places
+        the call's variables, `names` (a coordinator restarted a moment ago knows none of
+        them until their servers register again: the server's error stands)."""
         if error.stale_epoch is not None:
             self.refresh()
             return True
         if error.code() != grpc.StatusCode.UNAVAILABLE:
             return False
         try:
-            return self.refresh().epoch > used.epoch
+            current = self.refresh()
         except RemoteError as refresh_error:
             if refresh_error.code() == grpc.StatusCode.DATA_LOSS:
                 raise  # the server is unreachable because its values are gone: say so
             return False
+        return current.epoch > used.epoch and all(n in current.variables for n in names)
 
     @staticmethod
     def _output(spec: VariableSpec, out: Mapping[str, np.ndarray] | None) -> np.ndarray:
@@ -808,6 +816,7 @@ class PSClient:
         connection = self._shared_connection(shard_map, server_id)
         if connection is None:
             return False
+        self._refuse_if_placed_anew(connection, shard_map, server_id)
         rows = [outputs[s.variable][s.row_start:s.row_stop] for s in shards]
         try:
             done = connection.read(shard_map.epoch, shards, rows, self._timeout_s)
@@ -819,6 +828,27 @@ class PSClient:
                 if wire_dtype != shard_map.variables[shard.variable].dtype:
                     values[...] = _through_wire(values, wire_dtype, shard)
         return done
+
+    def _refuse_if_placed_anew(self, connection: SharedConnection, shard_map: ShardMap,
+                               server_id: str) -> None:
+        """A pull through shared memory reads on from a server that died (SIGKILL) the values
+        it held, until its shards are placed anew: then it raises UNAVAILABLE, for the
+        caller to follow the coordinator's new map, as a pull over gRPC would. (Such a pull
+        makes no call that would tell it: the coordinator is asked at most once a second.)"""
+        if not connection.owner_gone():
+            return
+        now = time.monotonic()
+        if now - self._placement_checked_at < OWNER_CHECK_S:
+            return
+        self._placement_checked_at = now
+        try:
+            current = self.refresh()
+        except RemoteError:
+            return  # the coordinator away too: the snapshot is what there is
+        if current.epoch > shard_map.epoch:
+            raise _local_error(grpc.StatusCode.UNAVAILABLE,
+                               f"server {server_id} is gone and the coordinator's map has "
+                               "moved on: following it")
 
     def _shared_connection(self, shard_map: ShardMap, server_id: str) -> SharedConnection | None:
         """This server's shared-memory connection, opened (the handshake) on first use."""
@@ -891,7 +921,7 @@ class PSClient:
             try:
                 self._fetch_rows(shard_map, spec, groups, unique, rows, wire_dtype)
             except RemoteError as error:
-                if not self._map_moved(shard_map, error):
+                if not self._map_moved(shard_map, error, [name]):
                     raise
                 continue
             return _in_order(rows, inverse, result)
@@ -1036,7 +1066,7 @@ class PSClient:
         try:
             self._fetch_rows(shard_map, spec, rest, unique, rows, wire_dtype)
         except RemoteError as error:
-            if not self._map_moved(shard_map, error):
+            if not self._map_moved(shard_map, error, [name]):
                 raise
             return self.pull_rows(name, next_ids, out=out, wire_dtype=wire_dtype)
         return _in_order(rows, along["inverse"], along["result"])
@@ -1129,6 +1159,7 @@ class PSClient:
         connection = self._shared_connection(shard_map, server_id)
         if connection is None:
             return False
+        self._refuse_if_placed_anew(connection, shard_map, server_id)
         shards = [shard for shard, _ in parts]
         ids = [unique[positions] for _, positions in parts]
         found = [np.empty((len(i), rows.shape[1]), rows.dtype) for i in ids]
@@ -1202,17 +1233,26 @@ class PSClient:
                     sequences[key] = (server_id, self._issue_sequence(server_id))
                 return sequences[key][1], first
 
+        # The pieces sent together before (at first, all of them, grouped by server below).
+        sent_together = [pieces]
         try:
             for _ in range(MAX_MAP_REFRESHES):
-                by_server: dict[str, list[_Piece]] = {server_id: [] for server_id in empty}
-                for piece in pieces:
-                    by_server.setdefault(piece.shard.server_id, []).append(piece)
-                failed: list[_Piece] = []
+                # A group sent before never takes in pieces of another: its server, which may
+                # have applied it before its answer was lost, would see new shards under a
+                # new sequence and apply it again. Pieces moved to a server go as their own
+                # group (a call of their own, under a sequence of their own).
+                by_group: dict[tuple[str, int], list[_Piece]] = {
+                    (server_id, -1): [] for server_id in empty}
+                for n, together in enumerate(sent_together):
+                    for piece in together:
+                        by_group.setdefault((piece.shard.server_id, n), []).append(piece)
+                failed: list[list[_Piece]] = []
                 failed_servers: set[str] = set()
                 errors: list[RemoteError] = []
 
-                def push_one(server_id: str, group: list[_Piece], shard_map=shard_map,
+                def push_one(key: tuple[str, int], group: list[_Piece], shard_map=shard_map,
                              pulls=pulls or {}):
+                    server_id = key[0]
                     try:
                         step = self._push_to(shard_map, server_id, group,
                                              *sequence_for(server_id, group), stepped=stepped,
@@ -1223,19 +1263,22 @@ class PSClient:
                     except RemoteError as error:
                         if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
                             raise
-                        failed.extend(group)
+                        failed.append(group)
                         failed_servers.add(server_id)
                         errors.append(error)
 
-                self._run_groups(by_server, push_one)
+                self._run_groups(by_group, push_one)
                 if not failed_servers:
                     return
                 # Parts refused as stale, or whose server stayed unreachable, are sent again
                 # if the coordinator's map has moved on (e.g. the server is at a new address).
-                if not any(self._map_moved(shard_map, e) for e in errors):
+                names = {p.shard.variable for group in failed for p in group}
+                if not any(self._map_moved(shard_map, e, names) for e in errors):
                     raise errors[0]
                 shard_map = self.shard_map
-                pieces = [self._relocate(shard_map, p) for p in failed]
+                sent_together = [[self._relocate(shard_map, p) for p in group]
+                                 for group in failed]
+                pieces = [p for group in sent_together for p in group]
                 # In the steps, a server whose part failed (refused whole: its step there did
                 # not count) gets an empty push again if it is still in the map and no
                 # relocated pieces carry the step there: else the others' step there waits
@@ -1287,7 +1330,7 @@ class PSClient:
             self._run_groups(rest, lambda sid, shards: self._pull_from(
                 shard_map, sid, shards, outputs, wire_dtype))
         except RemoteError as error:
-            if not self._map_moved(shard_map, error):
+            if not self._map_moved(shard_map, error, wanted):
                 raise
             return self.pull(names, wire_dtype=wire_dtype, out=out)
         return outputs[names] if single else outputs
@@ -1544,6 +1587,10 @@ class PSClient:
 
     @staticmethod
     def _relocate(shard_map: ShardMap, piece: _Piece) -> _Piece:
+        if piece.shard.variable not in shard_map.variables:  # (a coordinator recovering)
+            raise _local_error(grpc.StatusCode.UNAVAILABLE,
+                               f"variable {piece.shard.variable!r} is in no shard map the "
+                               "coordinator has now: its servers have not registered again")
         for shard in shard_map.shards_of(piece.shard.variable):
             if (shard.index, shard.row_start, shard.row_stop, shard.stride) == (
                     piece.shard.index, piece.shard.row_start, piece.shard.row_stop,
@@ -1853,7 +1900,13 @@ class PSClient:
                 raise RemoteError.from_rpc_error(error, target=self.coordinator) from None
             return False
         current = self._adopt(shardmap_from_proto(reply))
-        return current.servers.get(server_id) != used.servers[server_id]
+        if server_id in current.servers:
+            return current.servers[server_id] != used.servers[server_id]
+        # Gone from the map: its shards moved, if the map places them (a coordinator restarted
+        # a moment ago knows none of them yet: not moved, the call waits on).
+        held = {s.variable for shards in used.shards.values() for s in shards
+                if s.server_id == server_id}
+        return all(name in current.variables for name in held)
 
     def _run_per_server(self, shard_map: ShardMap, names: list[str], fn) -> None:
         self._run_groups(shard_map.group_by_server(names), fn)

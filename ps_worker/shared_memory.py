@@ -39,6 +39,8 @@ MAX_READ_BACKOFF_S = 0.002
 HANDSHAKE_TIMEOUT_S = 5.0
 # The largest answer a push socket gives (a PushSocketReply: a status at most).
 MAX_REPLY_BYTES = 1 << 20
+# How often a reader looks whether the server behind its connection still runs.
+OWNER_CHECK_S = 1.0
 # A process's (EMFILE) or the system's (ENFILE) open files are at their limit.
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
@@ -102,6 +104,8 @@ class SharedConnection:
         self._sockets: set[socket.socket] = set()
         self._ended = False
         self._warned_out_of_files = False
+        self._owner_checked_at = time.monotonic()
+        self._owner_dead = False
 
     @classmethod
     def open(cls, stub, client_id: str, server_id: str) -> "SharedConnection | None":
@@ -136,6 +140,17 @@ class SharedConnection:
     @property
     def alive(self) -> bool:
         return not self._control.retired
+
+    def owner_gone(self) -> bool:
+        """Whether the server process behind this connection has died (the lock on its
+        control segment is free: SIGKILLed, its segments left as they were), looked at no
+        more than once every OWNER_CHECK_S. Its segments still hold the values of the
+        moment it died, which pulls may go on reading until its shards are placed anew."""
+        now = time.monotonic()
+        if now - self._owner_checked_at >= OWNER_CHECK_S:
+            self._owner_checked_at = now
+            self._owner_dead = not shm.owner_locked(self._control.path)
+        return self._owner_dead
 
     # ---- pull ----------------------------------------------------------------------------
 
