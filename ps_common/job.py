@@ -49,6 +49,10 @@ class JobError(ValueError):
         self.problem = problem
 
 
+# float32's largest finite value and its smallest positive one (a subnormal).
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINIEST = 1.401298464324817e-45
+
 @dataclass(frozen=True)
 class JobSpec:
     model: str = "mlp"
@@ -90,9 +94,12 @@ class JobSpec:
         need(_integer(self.batch_size) and self.batch_size >= 1, "batch_size",
              "must be an integer >= 1")
         need(self.optimizer in OPTIMIZER_NAMES, "optimizer", f"must be one of {OPTIMIZER_NAMES}")
+        # The job's variables are float32, and the servers refuse an lr that float32 holds
+        # as inf or 0 (ps_server.optimizers): refused here, before any worker declares.
         need(isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool)
-             and math.isfinite(self.lr) and self.lr > 0, "lr",
-             "must be a finite number > 0")
+             and math.isfinite(self.lr) and _FLOAT32_TINIEST <= self.lr <= _FLOAT32_MAX, "lr",
+             f"must be a number > 0 that float32, the variables' dtype, holds (at most "
+             f"{_FLOAT32_MAX:.4g})")
         need(_mode_kind(self.mode) is not None, "mode",
              "must be async, ssp:K (K an integer >= 0) or sync")
         need(not (self.model == "embedding_mlp" and _mode_kind(self.mode) == SYNC), "mode",

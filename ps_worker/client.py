@@ -754,7 +754,7 @@ class PSClient:
         if error.stale_epoch is not None:
             self.refresh()
             return True
-        if error.code() != grpc.StatusCode.UNAVAILABLE:
+        if not _unreachable(error):
             return False
         try:
             current = self.refresh()
@@ -1261,7 +1261,7 @@ class PSClient:
                         if step is not None:
                             sent_steps.setdefault(server_id, step)
                     except RemoteError as error:
-                        if error.stale_epoch is None and error.code() != grpc.StatusCode.UNAVAILABLE:
+                        if error.stale_epoch is None and not _unreachable(error):
                             raise
                         failed.append(group)
                         failed_servers.add(server_id)
@@ -1769,7 +1769,9 @@ class PSClient:
                     reply = self._unary(stub.PushShared, request, self._timeout_s, server_id)
                 return reply
             except (grpc.RpcError, RemoteError) as error:
-                unanswered[0] |= error.code() in _NO_ANSWER
+                # (A step waited out was answered: in ssp the push was applied, in sync its
+                # step holds a copy; the slot is free.)
+                unanswered[0] |= error.code() in _NO_ANSWER and error.reason != STEP_TIMEOUT
                 raise
 
         # After an attempt without an answer the server may still be reading the slot,
@@ -1924,6 +1926,14 @@ class PSClient:
             futures.wait(pending)  # none may still be running when this returns or raises
         for future in pending:
             future.result()
+
+
+def _unreachable(error: RemoteError) -> bool:
+    """Whether a call's server did not answer it: away (UNAVAILABLE), or hung, stopped or
+    cut off after connecting (DEADLINE_EXCEEDED, but for a step it waited out, which the
+    server answered)."""
+    return error.code() == grpc.StatusCode.UNAVAILABLE or (
+        error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and error.reason != STEP_TIMEOUT)
 
 
 def _through_wire(values: np.ndarray, wire_dtype: str, shard: Shard) -> np.ndarray:

@@ -639,7 +639,14 @@ class Worker:
                       and trainer.job.shared_memory, token=self.config.token,
                       tls=self.config.tls) as ps:
             self._watch_client(ps)
-            ps.declare_many(trainer.specs)
+            try:
+                ps.declare_many(trainer.specs)
+            except RemoteError as error:
+                # The servers refuse the model's variables as declared (a knob the update's
+                # dtype cannot hold, say): nobody can run this job.
+                if error.code().name != "INVALID_ARGUMENT" or self._interrupted():
+                    raise
+                self._cannot_run(None, error)
             while True:
                 if self._stop.is_set() or self._job_over.is_set():
                     return
@@ -706,10 +713,13 @@ class Worker:
                          "" if result.auc is None else f", auc {result.auc:.4f}",
                          result.seconds)
 
-    def _cannot_run(self, task: LeasedTask, error: Exception, *, diverged: bool = False):
+    def _cannot_run(self, task: LeasedTask | None, error: Exception, *,
+                    diverged: bool = False):
         """Report that this worker cannot run the job (the coordinator fails it when nobody
-        has shown it can run, or when the model diverged), and raise JobCannotRun."""
-        message = f"{task.kind} task of epoch {task.epoch}: {error}"
+        has shown it can run, or when the model diverged), and raise JobCannotRun. `task`:
+        the one it was running (None: declaring the model's variables)."""
+        message = (f"{task.kind} task of epoch {task.epoch}: {error}" if task is not None
+                   else f"declaring the model's variables: {error}")
         failed = self._coordinator.report_job_error(self.worker_id, self._incarnation,
                                                     message, diverged=diverged)
         raise JobCannotRun(message, job_failed=failed) from None
