@@ -54,7 +54,8 @@ SECRET_BYTES = 32
 
 # A soft limit on open files set above the hard one, where the hard one is unlimited.
 UNLIMITED_FILES_TARGET = 1 << 20
-_files_limit_raised = threading.Lock()
+_files_limit_lock = threading.Lock()
+_files_limit_raised = False
 
 
 def allow_more_open_files() -> None:
@@ -63,15 +64,18 @@ def allow_more_open_files() -> None:
     mapped), one per shard in the server and in each client: at the usual soft limit of
     1024, a server of a thousand shards could map no more, and its shards would go over
     gRPC. Raising the soft limit up to the hard one needs no privilege."""
-    if not _files_limit_raised.acquire(blocking=False):
-        return  # done already
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = UNLIMITED_FILES_TARGET if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):
-            pass  # as it was: segments that cannot be mapped fall back to gRPC
+    global _files_limit_raised
+    with _files_limit_lock:  # a second caller returns once the first has raised it
+        if _files_limit_raised:
+            return
+        _files_limit_raised = True
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = UNLIMITED_FILES_TARGET if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < target:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError):
+                pass  # as it was: segments that cannot be mapped fall back to gRPC
 
 
 def supported() -> str | None:

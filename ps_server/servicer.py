@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ps_common.errors import CheckpointFailed, InvalidArgument, ResourceExhausted
+from ps_common.errors import CheckpointFailed, InvalidArgument, OutOfRange, ResourceExhausted
 from ps_common.consistency import parse_mode
 from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_common.status import translate_errors
@@ -145,7 +145,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             # The pull is checked first: a request that would fail changes nothing.
             checked = self._checked_unary_pull(chunk.attached, "PushThenPull")
             pushed = _push_reply(self._pushes.receive_whole(header, chunk.data))
-            return self._one_message(checked, pushed.SerializeToString())
+            try:
+                return self._one_message(checked, pushed.SerializeToString())
+            except OutOfRange:
+                # Values past the pull's wire dtype, found as they are read: the push was
+                # applied, and its answer goes alone (no pull header); the client pulls on
+                # its own, and that pull is refused.
+                return encode_chunk(None, b"", pushed.SerializeToString())
 
     def _checked_unary_pull(self, raw: bytes | memoryview, method: str
                             ) -> RememberedPull | list[CheckedRead]:

@@ -1717,7 +1717,8 @@ class PSClient:
             stub.push_then_pull = False  # a server from before the call: the push alone
             return self._unary(stub.PushUnary, encode_chunk(header, data),
                                self._deadline(nbytes), server_id)
-        pull.receive(answer, server_id)
+        if answer.header is not None:  # (else the push's answer alone: the pull goes apart)
+            pull.receive(answer, server_id)
         return ps_pb.PushReply.FromString(answer.attached or b"")
 
     def _push_shared(self, shard_map: ShardMap, server_id: str, pieces: list[_Piece],

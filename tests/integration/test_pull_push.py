@@ -247,6 +247,19 @@ def test_pull_beyond_the_wire_dtypes_range_is_out_of_range(make_cluster, chunk):
         np.testing.assert_array_equal(ps.pull("t", wire_dtype="float16"), np.full((20, 3), 0.5))
 
 
+def test_a_push_pull_whose_pull_is_out_of_range_applies_its_push_once(make_cluster):
+    """push_pull in float16 whose push takes the values past float16's range: the push is
+    applied (once, whatever call carried it), and the pull is refused with OUT_OF_RANGE, as
+    the two calls in turn would do."""
+    cluster = make_cluster(servers=1)
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(8,), init={"name": "constant", "value": 6e4}, optimizer=SGD1)
+        err = expect_error(grpc.StatusCode.OUT_OF_RANGE, ps.push_pull,
+                           {"w": np.full(8, -1e4, np.float32)}, "w", wire_dtype="float16")
+        assert "'w'" in str(err) and "float16" in str(err)
+        np.testing.assert_array_equal(ps.pull("w"), np.full(8, 7e4, np.float32))
+
+
 def test_rows_beyond_the_wire_dtypes_range_are_out_of_range(make_cluster):
     cluster = make_cluster(servers=2)
     with PSClient(cluster.coordinator_address) as ps:
