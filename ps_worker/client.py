@@ -1770,9 +1770,11 @@ class PSClient:
                     reply = self._unary(stub.PushShared, request, self._timeout_s, server_id)
                 return reply
             except (grpc.RpcError, RemoteError) as error:
+                remote = error if isinstance(error, RemoteError) else \
+                    RemoteError.from_rpc_error(error, target=server_id)
                 # (A step waited out was answered: in ssp the push was applied, in sync its
                 # step holds a copy; the slot is free.)
-                unanswered[0] |= error.code() in _NO_ANSWER and error.reason != STEP_TIMEOUT
+                unanswered[0] |= remote.code() in _NO_ANSWER and remote.reason != STEP_TIMEOUT
                 raise
 
         # After an attempt without an answer the server may still be reading the slot,

@@ -1072,3 +1072,26 @@ def test_a_client_unmaps_a_shard_that_moved_off_a_server_it_still_shares_memory_
         reachable[0] = True
         np.testing.assert_array_equal(ps.pull("a"), np.full(4, -1.0, np.float32))
         assert ("a", 0) not in connection._attached
+
+
+def test_a_shared_push_over_grpc_whose_call_is_not_answered_is_retried_exactly_once(
+        make_cluster, monkeypatch):
+    """A shared-memory push announced over gRPC (the server offers no push socket, as a
+    server out of sockets or one just restarted does) whose call fails with UNAVAILABLE is
+    retried under the same sequence, applied exactly once, like any other push (ps-cluster
+    --chaos kills a server and its workers go on)."""
+    from ps_server import push_socket
+
+    cluster = make_cluster(servers=1)
+    monkeypatch.setattr(push_socket, "MAX_SOCKETS", 0)  # PushShared goes over gRPC
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", shape=(4,), optimizer=SGD1)
+        cluster.wait_until_synced()
+        ps.push({"w": np.ones(4, np.float32)})
+        cluster.faults.fail_next("Push", 1, grpc.StatusCode.UNAVAILABLE)
+        ps.push({"w": np.ones(4, np.float32)})
+        assert ps.data_paths == {cluster.servers[0].address: "shm"}
+    assert cluster.faults.socket_calls == 0
+    assert cluster.faults.calls["Push"] == 3  # the failed call retried once
+    with PSClient(cluster.coordinator_address, shared_memory=False) as ps:
+        np.testing.assert_array_equal(ps.pull("w"), np.full(4, -2.0, np.float32))
