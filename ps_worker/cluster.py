@@ -534,8 +534,13 @@ def main(argv: list[str] | None = None) -> int:
         # time to. After an interrupt or an error, stop them at once.
         ended_normally = (outcome.get("state") in ("done", "failed") and "error" not in outcome
                           and not served)
-        exits = _stop_all(children, args.heartbeat_timeout + 10.0 if ended_normally else 0.0,
-                          impatient)
+        # With --keep-serving, the daemons serve until now, but the workers left when the
+        # job was over: one still on its way out is let finish, not signalled mid-exit.
+        finishing = (children if ended_normally else
+                     [c for c in children if c.name.startswith("worker-")]
+                     if served and outcome.get("state") == "done" else [])
+        exits = _stop_all(children, args.heartbeat_timeout + 10.0 if finishing else 0.0,
+                          impatient, finishing)
     outcome.update({"elapsed_s": round(time.monotonic() - started, 3), "exit_codes": exits,
                     "log_dir": str(log_dir)})
     if chaos is not None:
@@ -710,13 +715,14 @@ def _last_error(child: Child) -> str:
     return f": {child.name}: {errors[-1].strip()}" if errors else ""
 
 
-def _stop_all(children: list[Child], wait_s: float,
-              impatient: SignalFlag) -> dict[str, int | None]:
-    """Let children that are finishing exit by themselves (bounded), then stop the rest:
-    workers first, then servers, then the coordinator. Once `impatient` is set, whatever is
-    left is killed at once."""
+def _stop_all(children: list[Child], wait_s: float, impatient: SignalFlag,
+              finishing: list[Child] | None = None) -> dict[str, int | None]:
+    """Let `finishing` children (default: all) exit by themselves (bounded by `wait_s`),
+    then stop the rest: workers first, then servers, then the coordinator. Once `impatient`
+    is set, whatever is left is killed at once."""
+    finishing = children if finishing is None else finishing
     deadline = time.monotonic() + wait_s
-    while any(c.returncode is None for c in children) and time.monotonic() < deadline:
+    while any(c.returncode is None for c in finishing) and time.monotonic() < deadline:
         if impatient.wait(0.1):
             break
     for child in reversed(children):
