@@ -116,8 +116,8 @@ def test_a_push_whose_server_is_away_while_the_coordinator_restarts_raises_remot
 # ---- a shared-memory reader follows a server's shards once they move ---------------------------
 
 class _Proc:
-    """`python -m module args` in a session of its own, output in files; `end()` kills its
-    whole process group and reaps it."""
+    """`python -m module args` in a process group of its own, output in files; `end()`
+    kills the group and reaps it."""
 
     def __init__(self, name: str, module: str, args: list[str], directory: Path):
         self.name = name

@@ -17,16 +17,13 @@ import numpy as np
 import pytest
 
 from ps_common.job import JobSpec
-from ps_server.app import ParameterServer, ServerConfig
 from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.jobs import JobState
-from ps_server.testing import FaultInjector, wait_until
+from ps_server.testing import wait_until
 from ps_worker import PSClient
 from ps_worker.coordinator_client import CoordinatorClient
 from ps_worker.models.example_user_model import SoftmaxRegression
-from ps_worker.runtime import Worker, WorkerConfig
-
-WAIT_S = 60.0  # a bound a sound build never reaches
+from worker_threads import WAIT_S, Cluster, RunningWorker
 MODELS = "job_under_failures_models"
 
 
@@ -66,60 +63,6 @@ def user_models(monkeypatch):
     Straggler.release.set()  # whatever happened, no worker stays blocked
 
 
-class Cluster:
-    """A coordinator with `job` and one server (gRPC only), stopped by `stop()`."""
-
-    def __init__(self, job: JobSpec, *, max_streams: int = 128, **coordinator):
-        settings = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, grace_s=0.5,
-                        recovery_grace_s=0.0, keep_serving=True)
-        settings.update(coordinator)
-        self.faults = FaultInjector()  # the coordinator's calls
-        self.server_faults = FaultInjector()  # the server's calls
-        self.coordinator = Coordinator(CoordinatorConfig(job=job, **settings),
-                                       interceptors=[self.faults]).start()
-        self.server = None
-        try:
-            self.server = ParameterServer(ServerConfig(
-                server_id="ps-0", coordinator=self.coordinator.address,
-                heartbeat_interval_s=0.2, shared_memory=False, grace_s=0.5,
-                max_streams=max_streams), interceptors=[self.server_faults]).start()
-            assert self.server.registered.wait(WAIT_S)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self):
-        if self.server is not None:
-            self.server.stop(grace_s=0.5)
-        self.coordinator.stop(grace_s=0.5)
-
-
-class Running:
-    """Worker.run() on a thread of the given name; `outcome` gets "rc" or "error"."""
-
-    def __init__(self, address: str, worker_id: str, thread_name: str):
-        self.worker = Worker(WorkerConfig(coordinator=address, device="cpu",
-                                          worker_id=worker_id, shared_memory=False))
-        self.outcome: dict = {}
-        self.thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.outcome["rc"] = self.worker.run()
-        except BaseException as error:  # noqa: BLE001 - inspected by the test
-            self.outcome["error"] = error
-
-    def join(self, timeout: float = WAIT_S) -> dict:
-        self.thread.join(timeout)
-        return self.outcome
-
-    def end(self):
-        self.worker.request_stop()
-        self.thread.join(WAIT_S)
-        assert not self.thread.is_alive(), "the worker did not stop"
-
-
 # ---- a model that diverges to NaN ------------------------------------------------------------
 
 def test_a_model_whose_gradients_are_not_finite_fails_the_job_with_why(user_models):
@@ -133,7 +76,7 @@ def test_a_model_whose_gradients_are_not_finite_fails_the_job_with_why(user_mode
     cluster = Cluster(job, heartbeat_timeout_s=30.0)
     worker = None
     try:
-        worker = Running(cluster.coordinator.address, "w0", "nan-worker")
+        worker = RunningWorker(cluster.coordinator.address, "w0", "nan-worker")
         outcome = worker.join()
         assert outcome, "the worker did not end"
         snap = cluster.coordinator.runner.snapshot()
@@ -173,9 +116,9 @@ def test_a_worker_waiting_in_a_sync_step_for_a_straggler_does_not_die(user_model
     gate._timeout = observed_timeout
     slow = fast = None
     try:
-        slow = Running(cluster.coordinator.address, "slow", "slow-worker")
+        slow = RunningWorker(cluster.coordinator.address, "slow", "slow-worker")
         assert Straggler.blocked.wait(WAIT_S), "the straggler never reached its first step"
-        fast = Running(cluster.coordinator.address, "fast", "fast-worker")
+        fast = RunningWorker(cluster.coordinator.address, "fast", "fast-worker")
         assert timed_out.wait(WAIT_S), "the fast worker's step never waited its longest"
         Straggler.release.set()
         wait_until(lambda: cluster.coordinator.runner.over, "the job over", WAIT_S)
@@ -208,7 +151,7 @@ def test_a_join_refused_for_want_of_room_is_not_taken_for_a_fence(user_models):
             holder.join_steps("ssp:1")  # the one place in its steps
             joins = lambda: cluster.server_faults.calls.get("JoinSteps", 0)  # noqa: E731
             assert joins() == 1
-            worker = Running(cluster.coordinator.address, "w0", "refused-worker")
+            worker = RunningWorker(cluster.coordinator.address, "w0", "refused-worker")
             # The worker's join is refused (once at least): then it either ends, or asks again.
             wait_until(lambda: not worker.thread.is_alive() or joins() >= 3,
                        "the worker refused twice, or ended", WAIT_S)

@@ -17,65 +17,12 @@ from ps_common import shm
 from ps_common.job import JobError, JobSpec
 from ps_common.rpc import READ_RETRY_CODES, RetryPolicy
 from ps_server.app import ParameterServer, ServerConfig
-from ps_server.coordinator.app import Coordinator, CoordinatorConfig
 from ps_server.coordinator.jobs import JobState
 from ps_server.shared_memory import MAX_SLOTS_PER_CONNECTION
 from ps_server.testing import InProcessCluster
 from ps_worker import PSClient, RemoteError
-from ps_worker.runtime import SERVER_OUTAGE_RETRY, Worker, WorkerConfig
-
-WAIT_S = 60.0  # a bound a sound build never reaches
-
-
-class _Cluster:
-    """A coordinator with `job` and one server (gRPC only), stopped by `stop()`."""
-
-    def __init__(self, job: JobSpec, **coordinator):
-        settings = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, grace_s=0.5,
-                        recovery_grace_s=0.0, keep_serving=True)
-        settings.update(coordinator)
-        self.coordinator = Coordinator(CoordinatorConfig(job=job, **settings)).start()
-        self.server = None
-        try:
-            self.server = ParameterServer(ServerConfig(
-                server_id="ps-0", coordinator=self.coordinator.address,
-                heartbeat_interval_s=0.2, shared_memory=False, grace_s=0.5)).start()
-            assert self.server.registered.wait(WAIT_S)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self):
-        if self.server is not None:
-            self.server.stop(grace_s=0.5)
-        self.coordinator.stop(grace_s=0.5)
-
-
-class _Running:
-    """Worker.run() on a thread; `outcome` gets "rc" or "error"."""
-
-    def __init__(self, address: str, worker_id: str):
-        self.worker = Worker(WorkerConfig(coordinator=address, device="cpu",
-                                          worker_id=worker_id, shared_memory=False))
-        self.outcome: dict = {}
-        self.thread = threading.Thread(target=self._run, name=f"worker-{worker_id}",
-                                       daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.outcome["rc"] = self.worker.run()
-        except BaseException as error:  # noqa: BLE001 - inspected by the test
-            self.outcome["error"] = error
-
-    def join(self, timeout: float = WAIT_S) -> dict:
-        self.thread.join(timeout)
-        return self.outcome
-
-    def end(self):
-        self.worker.request_stop()
-        self.thread.join(WAIT_S)
-        assert not self.thread.is_alive(), "the worker did not stop"
+from ps_worker.runtime import SERVER_OUTAGE_RETRY
+from worker_threads import WAIT_S, Cluster, RunningWorker
 
 
 # ---- a knob the servers refuse at declare, given as a job flag ------------------------------
@@ -93,10 +40,10 @@ def test_a_job_whose_lr_the_servers_refuse_is_refused_or_fails_instead_of_hangin
     except JobError as error:  # refused at start, as a malformed --model or --data is
         assert "lr" in str(error)
         return
-    cluster = _Cluster(job)
+    cluster = Cluster(job, heartbeat_timeout_s=30.0)
     worker = None
     try:
-        worker = _Running(cluster.coordinator.address, "w0")
+        worker = RunningWorker(cluster.coordinator.address, "w0")
         outcome = worker.join()
         assert outcome, "the worker did not end"
         snap = cluster.coordinator.runner.snapshot()
