@@ -42,6 +42,27 @@ def first_shard_push_header(shard_map, name: str, client_id: str) -> ps_pb.PushH
             dtype=tensor_pb2.FLOAT32, shape=[shard.row_stop - shard.row_start, *spec.shape[1:]])])
 
 
+class _Unreachable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def cut_off_from_coordinator(server: ParameterServer) -> threading.Event:
+    """Make `server`'s calls to its coordinator fail as a network partition would (UNAVAILABLE),
+    while clients still reach it, until the returned event is set: past --server-timeout the
+    coordinator takes it for lost and moves its shards."""
+    reachable = threading.Event()
+    real_call = server._coordinator_call
+
+    def call(rpc, request):
+        if not reachable.is_set():
+            raise _Unreachable()
+        return real_call(rpc, request)
+
+    server._coordinator_call = call
+    return reachable
+
+
 def wait_until(predicate, what: str, timeout_s: float = 30.0, poll_s: float = 0.005) -> None:
     """Wait, polling, until `predicate()` is true; TimeoutError naming `what` after
     `timeout_s` (a bound that a sound build never reaches, not a timing)."""

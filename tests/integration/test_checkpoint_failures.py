@@ -13,7 +13,7 @@ import pytest
 
 from ps_common.checkpoints import MANIFEST, checkpoint_ids
 from ps_proto.v1 import coordinator_pb2, coordinator_pb2_grpc
-from ps_server.testing import wait_until
+from ps_server.testing import cut_off_from_coordinator, wait_until
 import ps_server.restore as restore_module
 from ps_worker import PSClient, RetryPolicy
 
@@ -99,11 +99,6 @@ def test_with_reinitialize_a_shard_no_checkpoint_can_give_is_created_again(make_
     assert cluster.coordinator.checkpointer.catalog.current() is None
 
 
-class Unreachable(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
-
-
 def test_a_server_back_after_its_shards_moved_drops_its_old_copy(make_cluster, tmp_path):
     """A server only out of reach (a partition, a long pause) past --server-timeout: its
     shards move to a live server from the checkpoint; when it is back it drops its copies
@@ -117,17 +112,10 @@ def test_a_server_back_after_its_shards_moved_drops_its_old_copy(make_cluster, t
         stale.pull("a")  # its map places "a" on the old holder
         holder_id = ps.shard_map.shards_of("a")[0].server_id
         holder = next(s for s in cluster.servers if s.server_id == holder_id)
-        reachable, real_call = [False], holder._coordinator_call
-
-        def call(rpc, request):
-            if not reachable[0]:
-                raise Unreachable()
-            return real_call(rpc, request)
-
-        holder._coordinator_call = call
+        reachable = cut_off_from_coordinator(holder)
         wait_until(lambda: ps.refresh().shards_of("a")[0].server_id != holder_id,
                    "the shard to move")
-        reachable[0] = True
+        reachable.set()
         wait_until(lambda: holder.store.epoch == cluster.coordinator.state.shard_map.epoch
                    and not holder.store.held(), "the old holder to drop its copy")
         stale.push({"a": np.ones(4, np.float32)})

@@ -43,7 +43,7 @@ from ps_server.pushes import PushReceiver
 from ps_server import store as store_module
 from ps_server.optimizers import make_state
 from ps_server.store import HeldShard, ShardStore
-from ps_server.testing import InProcessCluster, wait_until
+from ps_server.testing import InProcessCluster, cut_off_from_coordinator, wait_until
 from ps_worker import PSClient, RemoteError
 
 UNSUPPORTED = shm.supported()
@@ -1035,11 +1035,6 @@ def test_a_failed_handshake_is_tried_again_and_the_client_moves_to_shared_memory
         assert calls(cluster, "Pull") == pulled
 
 
-class _Unreachable(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
-
-
 def test_a_client_unmaps_a_shard_that_moved_off_a_server_it_still_shares_memory_with(
         make_cluster, tmp_path):
     """A server out of reach past --server-timeout comes back after its shards moved: the
@@ -1059,17 +1054,10 @@ def test_a_client_unmaps_a_shard_that_moved_off_a_server_it_still_shares_memory_
         ps.pull(["a", "b"])
         connection = ps._shared[ps.shard_map.servers[holder_id]]
         assert connection._attached.get(("a", 0)) is not None  # mapped
-        reachable, real_call = [False], holder._coordinator_call
-
-        def call(rpc, request):
-            if not reachable[0]:
-                raise _Unreachable()
-            return real_call(rpc, request)
-
-        holder._coordinator_call = call
+        reachable = cut_off_from_coordinator(holder)
         wait_until(lambda: ps.refresh().shards_of("a")[0].server_id != holder_id,
                    "the shard to move", timeout_s=WAIT_S)
-        reachable[0] = True
+        reachable.set()
         np.testing.assert_array_equal(ps.pull("a"), np.full(4, -1.0, np.float32))
         assert ("a", 0) not in connection._attached
 
