@@ -94,7 +94,7 @@ def test_ps_cluster_shows_no_epoch_line_for_the_epoch_a_failed_job_stopped_in(
     monkeypatch.setattr(cluster, "Child", _FakeChild)
     monkeypatch.setattr(cluster, "_monitor", monitor)
     monkeypatch.setattr(cluster, "_stop_all",
-                        lambda children, wait_s, impatient: {c.name: 0 for c in children})
+                        lambda children, *_: {c.name: 0 for c in children})
     monkeypatch.setattr(signal, "signal", lambda *args: None)  # leave pytest's handlers be
 
     code = cluster.main(["--servers", "1", "--workers", "1", "--epochs", "10",
