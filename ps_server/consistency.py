@@ -186,6 +186,9 @@ class StepGate:
         self._applied = 0  # sync: steps whose average was applied
         self._pending = _Step()
         self._failed: dict[int, PSError] = {}  # sync: steps whose update failed (recent)
+        # sync: the contributions (client, incarnation, sequence) of each of those steps: a
+        # retry of one, whose answer was lost, gets the step's error again, not 'dropped'.
+        self._failed_keys: dict[int, frozenset] = {}
         # sync: per recent step, the contributions its update left unrecorded, with the
         # errors their pushes raise.
         self._left_out: dict[int, dict[tuple[str, int], PSError]] = {}
@@ -362,14 +365,21 @@ class StepGate:
         with self._changed:
             self._check_open()
             self._member(client_id, contribution.incarnation)
+            key = (client_id, contribution.incarnation, contribution.sequence)
             if step < self._step:
+                # A retry of a push whose step was refused whole, or left out of it (its
+                # answer lost): the same error again, never a 'dropped as late' success.
+                if key in self._failed_keys.get(step, ()):
+                    raise self._failed[step]
+                left_out = self._left_out.get(step, {}).get(key)
+                if left_out is not None:
+                    raise left_out
                 self.dropped_stale += 1
                 return PushOutcome(next_step=self._step, stale_dropped=True)
             if step > self._step:
                 raise FailedPrecondition(
                     f"push of step {step}, but this server is at step {self._step}: a client "
                     "computes the step JoinSteps and its last push's answer gave it")
-            key = (client_id, contribution.incarnation, contribution.sequence)
             if key not in self._pending.contributions:  # else a retry: counted once
                 self._pending.contributions[key] = contribution
                 for held, grad in zip(targets, grads):
@@ -422,12 +432,15 @@ class StepGate:
         except PSError as error:
             # Nothing of the step was applied: every contributor's push raises the error.
             self._failed[self._step] = error
+            self._failed_keys[self._step] = frozenset(pending.contributions)
         except Exception as error:  # noqa: BLE001 - reported to the contributors, not lost
             log.exception("the averaged update of step %d failed", self._step)
+            self._failed_keys[self._step] = frozenset(pending.contributions)
             self._failed[self._step] = PSError(f"the update of step {self._step} failed: "
                                                f"{type(error).__name__}; see the server log")
         for old in [s for s in self._failed if s < self._step - 64]:
             del self._failed[old]
+            self._failed_keys.pop(old, None)
         for old in [s for s in self._left_out if s < self._step - 64]:
             del self._left_out[old]
         self._step += 1

@@ -562,3 +562,24 @@ def test_stats_count_every_answered_stepped_push_and_sum_their_waits(spawn):
     stats = gate.stats()
     assert (stats.mode, stats.members, stats.waits, stats.waited_s) == ("ssp:0", 2, 2, 2.5)
     assert stats.staleness_max == 0 and stats.dropped_stale == 0
+
+
+def test_sync_a_retry_of_a_push_whose_step_was_refused_gets_its_error_again(spawn):
+    """A push whose step's update was refused whole, and whose answer was lost, is sent
+    again under its sequence: it gets the step's error, not a 'dropped as late' success
+    (nothing of it was applied). A new push of that old step is dropped as late."""
+    error = InvalidArgument("the average is not finite")
+    gate = make_gate(Recorder(fail=[error]))
+    for client in "ab":
+        gate.join(client, 1, SYNC)
+    a = spawn(gate.contribute, contribution("a", 1), 0, [T0], grads([1.0]))
+    blocked(gate, 1, "a waits for b")
+    with pytest.raises(InvalidArgument):
+        gate.contribute(contribution("b", 1), 0, [T0], grads([3.0]))
+    with pytest.raises(InvalidArgument):
+        a.result()
+    with pytest.raises(InvalidArgument) as retried:
+        gate.contribute(contribution("a", 1), 0, [T0], grads([1.0]))  # the same sequence
+    assert retried.value is error
+    late = gate.contribute(contribution("a", 2), 0, [T0], grads([1.0]))  # a new push
+    assert late.stale_dropped and late.next_step == 1
