@@ -142,6 +142,11 @@ def missing_evidence(kill: Kill, status: dict) -> str | None:
     if target.role == "coordinator":
         if status["generation"] == kill.before["generation"]:
             return "the coordinator answering is the one that was killed"
+        if job["state"] == "done":
+            # The restarted coordinator took the job to its end: workers train on while it
+            # is down and report their tasks to it at once, so a job near its end may be
+            # done before any server has heartbeated to it, which is no missing evidence.
+            return None
         # A restarted coordinator lists in `servers` only those that registered with it; the
         # rest of the shard map it recovered are in `awaiting_servers` until they do. One
         # told the job is over ("done") registered with it too: a job that ends soon after

@@ -1,6 +1,6 @@
 """What `ps-cluster --chaos` counts as recovery from the coordinator's kill: a coordinator of
 a new generation with every server of the status before the kill registered with it again
-and alive (README, Chaos run). A restarted coordinator lists in `servers` only the servers
+and alive, or that took the job to its end (README, Chaos run). A restarted coordinator lists in `servers` only the servers
 that have registered with it; one of the recovered shard map that has not yet is in
 `awaiting_servers` (ps-ctl status: "awaiting ... (held shards before the coordinator
 restarted)"), not in `servers`."""
@@ -71,4 +71,14 @@ def test_a_new_coordinator_whose_servers_were_told_the_job_is_over_is_recovered(
 def test_a_server_the_new_coordinator_lost_is_not_recovered():
     after = _status(generation=8, steps=312,
                     servers=[_server("ps-0"), dict(_server("ps-1"), state="dead")], awaiting=[])
+    assert missing_evidence(_coordinator_killed(), after) is not None
+
+
+def test_a_new_coordinator_that_took_the_job_to_its_end_is_recovered():
+    """Workers train on while the coordinator is down and report their tasks to the new one
+    at once: near the end of a job it may be done before any server has heartbeated to it."""
+    after = _status(generation=8, steps=400, servers=[], awaiting=["ps-0", "ps-1"])
+    after["job"]["state"] = "done"
+    assert missing_evidence(_coordinator_killed(), after) is None
+    after["generation"] = 7  # the killed one's: not the evidence of a restart
     assert missing_evidence(_coordinator_killed(), after) is not None
