@@ -10,6 +10,15 @@ Membership is per server: a client joins (JoinSteps) at the step the others are 
 (LeaveSteps) when its work is done, and is removed when the coordinator retires it (dead:
 missed heartbeats), so no step waits for a dead client longer than its heartbeat timeout.
 
+A server that restarts comes back with no members. Its clients find it so (their pushes are
+refused: not joined) and join again saying where they were: the step they compute next and
+the members they last heard of (each stepped push's answer names them). The first of them
+sets the restarted server's step, and until the others are back (or left, or retired), for
+at most the bound of a step's wait, the steps wait for them: the first sync step combines
+one gradient from each, as before the restart, and in ssp:K nobody runs more than K steps
+ahead of the step they are assumed at. Without this the first client back would make the
+first step alone, and a sync step would then pair one client's step t with another's t + 1.
+
 In sync, a contribution is recorded in the exactly-once ledger only when the step it belongs
 to is applied, together with it: a push is acknowledged only after the average that
 includes it has been applied, so a server restored from a checkpoint either has both or
@@ -36,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # The longest a push waits for other clients before it is told which ones it waited for.
 STEP_WAIT_S = 30.0
+# The most client ids a restarted server keeps as awaited, or as gone, while it resumes.
+MAX_REMEMBERED = 1 << 16
 
 
 @dataclass
@@ -61,6 +72,7 @@ class PushOutcome:
     staleness: int = 0
     stale_dropped: bool = False
     duplicate: bool = False
+    members: tuple[str, ...] = ()  # who takes part in the steps (PushReply.step_members)
 
 
 @dataclass(frozen=True)
@@ -196,12 +208,28 @@ class StepGate:
         self.dropped_stale = 0
         self._waits = 0
         self._waited_s = 0.0
+        # Resuming after a restart (see the module's docstring). `_fresh`: no step has run
+        # since the server started (sync: none applied; ssp: none finished); until then, a
+        # client's resume is honoured, and after, an awaited one's. `_resumed`: one has been. `_awaited`: members from
+        # before the restart not back yet, waited for until `_awaited_until`; `_gone`: ids
+        # that left or were retired meanwhile (a later client's peers may still name them);
+        # `_resume_floor` (ssp): the step the awaited members are taken to be at.
+        self._fresh = True
+        self._resumed = False
+        self._counted_from_resume = False  # the steps' count is the first resumer's
+        self._awaited: set[str] = set()
+        self._awaited_until = 0.0
+        self._gone: set[str] = set()
+        self._resume_floor = 0
 
     # ---- membership -----------------------------------------------------------------------
 
-    def join(self, client_id: str, incarnation: int, mode: Mode, replicas: int = 1) -> int:
+    def join(self, client_id: str, incarnation: int, mode: Mode, replicas: int = 1, *,
+             resume_step: int | None = None, peers=()) -> int:
         """The step `client_id` computes first. Raises FailedPrecondition when other
-        clients take part in another mode."""
+        clients take part in another mode. `resume_step` and `peers`: the client took part
+        in this server's steps before it restarted (the step it computes next, the other
+        members it last heard of): see the module's docstring."""
         if not mode.stepped:
             raise FailedPrecondition("JoinSteps: the async mode has no steps to join")
         if replicas < 1:
@@ -232,20 +260,71 @@ class StepGate:
                 raise FencedIncarnation(
                     f"client {client_id!r} incarnation {incarnation} was replaced by "
                     f"incarnation {current.incarnation}: register again")
+            # Honoured until a step has run here, and after that for a member awaited.
+            resuming = resume_step is not None and resume_step >= 0 and (
+                self._fresh or client_id in self._awaited)
+            self._awaited.discard(client_id)
+            if resuming:
+                self._resume(client_id, mode, resume_step, peers, alone=not others)
             if mode.kind == SYNC:
                 start = self._step
-            else:  # ssp: at the slowest member's step (it then holds nobody back)
-                start = min((m.done for m in others.values()), default=self._high)
+            else:
+                if resuming and self._counted_from_resume:  # ssp: where it was
+                    start = resume_step
+                else:  # ssp: at the slowest member's step (it then holds nobody back)
+                    start = min((m.done for m in others.values()), default=self._high)
+                if self._awaited:
+                    self._resume_floor = min(self._resume_floor, start)
             self._members[client_id] = _Member(incarnation, start)
             if not self._started:
                 self._joined_before_start.add(client_id)
             self._changed.notify_all()
             return start
 
+    def _resume(self, client_id: str, mode: Mode, step: int, peers, *, alone: bool) -> None:
+        """A client back after this server restarted, at `step` there with `peers` (expects
+        the lock held). Alone, it sets the steps' count; beside clients that joined since
+        the restart, the count they joined at stands."""
+        if not self._resumed:
+            self._resumed = True
+            self._awaited_until = self._clock() + self._wait_s
+        if alone:
+            self._counted_from_resume = True
+            if mode.kind == SYNC:
+                self._step = max(self._step, step)
+                self._started, self._replicas = True, 1  # its peers are awaited instead
+            else:
+                self._high = max(self._high, step)
+            self._resume_floor = self._high
+        if self._clock() < self._awaited_until:
+            self._awaited.update(
+                p for p in peers[:MAX_REMEMBERED - len(self._awaited)]
+                if p != client_id and p not in self._members and p not in self._gone)
+
+    def _expire_awaited(self) -> None:
+        """Stop waiting for members from before a restart once the wait's bound is past
+        (expects the lock held)."""
+        if self._awaited and self._clock() >= self._awaited_until:
+            log.warning("this server's steps go on without %s: they took part before it "
+                        "restarted and have not joined again within %g s",
+                        ", ".join(sorted(self._awaited)), self._wait_s)
+            self._awaited.clear()
+
+    def members(self) -> list[str]:
+        """The clients taking part in the steps, and those awaited after a restart."""
+        with self._changed:
+            return sorted(self._members.keys() | self._awaited)
+
     def leave(self, client_id: str, incarnation: int | None = None) -> None:
         """`client_id` takes part no more (left, or retired by the coordinator): nobody
         waits for it. `incarnation`: only that one or an older one."""
         with self._changed:
+            if self._fresh and len(self._gone) < MAX_REMEMBERED:
+                self._gone.add(client_id)
+            if client_id in self._awaited:
+                self._awaited.discard(client_id)
+                self._maybe_apply()
+                self._changed.notify_all()
             member = self._members.get(client_id)
             if member is None or (incarnation is not None and member.incarnation > incarnation):
                 return
@@ -329,29 +408,36 @@ class StepGate:
             if member is None or member.incarnation != incarnation:
                 # It left (or was retired) after its push was admitted and applied: nothing
                 # to wait for, and refusing it now would say a push applied was not.
-                return PushOutcome(next_step=step + 1, waited_s=self._waited(started))
+                return PushOutcome(next_step=step + 1, waited_s=self._waited(started),
+                                   members=self._member_ids())
             member.done = max(member.done, step + 1)
             self._high = max(self._high, member.done)
+            self._fresh = False
+            self._gone.clear()
             self._changed.notify_all()
             bound = self._mode.bound if self._mode is not None else 0
             deadline = started + self._wait_s
             while True:
                 member = self._members.get(client_id)
                 if member is None:  # left or retired meanwhile: nothing to wait for
-                    return PushOutcome(next_step=step + 1, waited_s=self._waited(started))
+                    return PushOutcome(next_step=step + 1, waited_s=self._waited(started),
+                                       members=self._member_ids())
+                self._expire_awaited()
                 slowest = min(m.done for m in self._members.values())
+                if self._awaited:
+                    slowest = min(slowest, self._resume_floor)
                 if member.done <= slowest + bound:
                     break
                 self._check_open()
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    raise self._timeout(step, [c for c, m in self._members.items()
-                                               if member.done > m.done + bound])
-                self._changed.wait(remaining)
+                    behind = [c for c, m in self._members.items() if member.done > m.done + bound]
+                    raise self._timeout(step, behind + sorted(self._awaited))
+                self._changed.wait(self._until_awaited_expire(remaining))
             staleness = member.done - slowest
             self.staleness_max = max(self.staleness_max, staleness)
             return PushOutcome(next_step=member.done, waited_s=self._waited(started),
-                               staleness=staleness)
+                               staleness=staleness, members=self._member_ids())
 
     # ---- sync ----------------------------------------------------------------------------
 
@@ -375,7 +461,8 @@ class StepGate:
                 if left_out is not None:
                     raise left_out
                 self.dropped_stale += 1
-                return PushOutcome(next_step=self._step, stale_dropped=True)
+                return PushOutcome(next_step=self._step, stale_dropped=True,
+                                   members=self._member_ids())
             if step > self._step:
                 raise FailedPrecondition(
                     f"push of step {step}, but this server is at step {self._step}: a client "
@@ -394,19 +481,24 @@ class StepGate:
             deadline = started + self._wait_s
             while self._step <= step:
                 self._check_open()
+                if self._awaited:  # members from before a restart: the wait may be over
+                    self._expire_awaited()
+                    self._maybe_apply()
+                if self._step > step:
+                    break
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise self._timeout(step, sorted(
-                        c for c, m in self._members.items()
-                        if (c, m.incarnation) not in self._pending.clients))
-                self._changed.wait(remaining)
+                        {c for c, m in self._members.items()
+                         if (c, m.incarnation) not in self._pending.clients} | self._awaited))
+                self._changed.wait(self._until_awaited_expire(remaining))
             waited = self._waited(started)
             if step in self._failed:
                 raise self._failed[step]
             left_out = self._left_out.get(step, {}).get(key)
             if left_out is not None:
                 raise left_out
-            return PushOutcome(next_step=self._step, waited_s=waited)
+            return PushOutcome(next_step=self._step, waited_s=waited, members=self._member_ids())
 
     def _maybe_apply(self) -> None:
         """Apply the pending step once every member has contributed (and, for the first
@@ -417,6 +509,9 @@ class StepGate:
         # Every member's current incarnation: a retired one's gradient stands for no one.
         if not {(c, m.incarnation) for c, m in self._members.items()} <= self._pending.clients:
             return
+        self._expire_awaited()
+        if self._awaited:
+            return  # members from before a restart: not back yet
         if not self._started and len(self._joined_before_start) < self._replicas \
                 and self._members:
             return  # the first step: `replicas` clients have not all joined yet
@@ -445,9 +540,23 @@ class StepGate:
             del self._left_out[old]
         self._step += 1
         self._started = True
+        self._fresh = False
+        self._gone.clear()
         self._changed.notify_all()
 
     # ---- shared ---------------------------------------------------------------------------
+
+    def _member_ids(self) -> tuple[str, ...]:
+        """members() with the lock held."""
+        return tuple(sorted(self._members.keys() | self._awaited))
+
+    def _until_awaited_expire(self, remaining: float) -> float:
+        """How long a wait may last (expects the lock held): at most `remaining`, and no
+        later than the end of the wait for members from before a restart (when it may let
+        the steps go on)."""
+        if self._awaited:
+            return max(0.0, min(remaining, self._awaited_until - self._clock()))
+        return remaining
 
     def _check_open(self) -> None:
         if self._closed:

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # Bytes of copies that pushes make of shards while pulls stream them (ps_server.live_reads).
 PULL_COPY_BYTES = 1 << 30
+# The most peers a JoinSteps may name (members of a server's steps before it restarted:
+# at most its --max-streams): bounds what a request can make a server remember.
+MAX_STEP_PEERS = 1 << 16
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -279,9 +282,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 mode = parse_mode(request.mode, what="JoinSteps mode")
             except ValueError as error:
                 raise InvalidArgument(str(error)) from None
-            step = self._pushes.steps.join(request.client_id, request.incarnation, mode,
-                                           max(request.replicas, 1))
-            return pb.JoinStepsReply(step=step)
+            if len(request.peers) > MAX_STEP_PEERS:
+                raise InvalidArgument(f"JoinSteps names {len(request.peers)} peers, more than "
+                                      f"the {MAX_STEP_PEERS} a server takes in its steps")
+            step = self._pushes.steps.join(
+                request.client_id, request.incarnation, mode, max(request.replicas, 1),
+                resume_step=request.resume_step if request.HasField("resume_step") else None,
+                peers=request.peers)
+            return pb.JoinStepsReply(step=step, members=self._pushes.steps.members())
 
     def LeaveSteps(self, request: pb.LeaveStepsRequest, context):
         with translate_errors(context, "LeaveSteps"):
@@ -479,7 +487,8 @@ def row_ids_of(refs) -> list[np.ndarray | None] | None:
 def _push_reply(outcome: PushOutcome) -> pb.PushReply:
     return pb.PushReply(duplicate=outcome.duplicate, next_step=outcome.next_step,
                         waited_s=outcome.waited_s, staleness=outcome.staleness,
-                        stale_dropped=outcome.stale_dropped, honours_refuse_non_finite=True)
+                        stale_dropped=outcome.stale_dropped, honours_refuse_non_finite=True,
+                        step_members=outcome.members)
 
 
 def _data_only(chunk: Chunk):

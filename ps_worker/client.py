@@ -329,6 +329,11 @@ class PSClient:
         self._mode: Mode | None = None
         self._replicas = 1
         self._steps: dict[str, int] = {}
+        # Per server, the members of its steps its last answer named, and the step this client
+        # was at there if it must join again: told to it if it restarted
+        # (JoinStepsRequest.resume_step, peers), so that its first step waits for them.
+        self._step_members: dict[str, tuple[str, ...]] = {}
+        self._resume_at: dict[str, int] = {}
         self.step_stats = StepStats()
         # Address -> shared-memory connection, or None: that server's calls go over gRPC.
         self._shared: dict[str, SharedConnection | None] = {}
@@ -1409,7 +1414,7 @@ class PSClient:
             # Refused (another mode, say) or unreachable: this client takes part in no
             # steps, on no server, as before the call.
             with self._lock:
-                self._mode, self._steps = None, {}
+                self._mode, self._steps, self._step_members, self._resume_at = None, {}, {}, {}
             self._leave(shard_map.servers)
             raise
 
@@ -1421,7 +1426,7 @@ class PSClient:
         self._refuse_in_forked_child()  # before any lock a parent's thread may hold
         with self._lock:
             mode = self._mode
-            self._mode, self._steps = None, {}
+            self._mode, self._steps, self._step_members, self._resume_at = None, {}, {}, {}
         if mode is None:
             return
         try:
@@ -1454,6 +1459,14 @@ class PSClient:
         with self._lock:
             return "async" if self._mode is None else str(self._mode)
 
+    def _forget_step(self, server_id: str) -> None:
+        """Ask `server_id` where its steps are before the next push there, telling it where
+        this client was (a restarted server goes on from there: JoinStepsRequest.resume_step).
+        Expects the lock held."""
+        was = self._steps.pop(server_id, None)
+        if was is not None:
+            self._resume_at[server_id] = was
+
     def _step_at(self, shard_map: ShardMap, server_id: str) -> int | None:
         """The step this client computes next at `server_id`, joining it first if need be
         (None: this client takes part in no steps)."""
@@ -1463,15 +1476,22 @@ class PSClient:
                 return None
             if server_id in self._steps:
                 return self._steps[server_id]
+            resume_step = self._resume_at.get(server_id)
+            peers = self._step_members.get(server_id, ())
         address = shard_map.servers[server_id]
         request = ps_pb.JoinStepsRequest(client_id=self.client_id, incarnation=self.incarnation,
-                                         mode=str(mode), replicas=replicas)
+                                         mode=str(mode), replicas=replicas, peers=peers)
+        if resume_step is not None:
+            request.resume_step = resume_step
         reply = self._call_server(
             lambda: self._unary(self._stub(address).JoinSteps, request, self._timeout_s,
                                 server_id), shard_map, server_id, self._retry)
         with self._lock:
             left = self._mode is not mode  # left (or joined anew) meanwhile
             if not left:
+                if reply.members:
+                    self._step_members[server_id] = tuple(reply.members)
+                self._resume_at.pop(server_id, None)
                 return self._steps.setdefault(server_id, reply.step)
         if self.mode == "async":  # left: this join may have landed after the leave did
             self._leave([server_id])
@@ -1481,6 +1501,8 @@ class PSClient:
         with self._lock:
             if self._mode is not None:
                 self._steps[server_id] = max(self._steps.get(server_id, 0), reply.next_step)
+                if reply.step_members:
+                    self._step_members[server_id] = tuple(reply.step_members)
             stats = self.step_stats
             stats.wait_s += reply.waited_s
             stats.staleness_max = max(stats.staleness_max, reply.staleness)
@@ -1625,10 +1647,10 @@ class PSClient:
                 # steps are, instead of carrying a step already over (dropped as late).
                 with self._lock:
                     if self._mode is not None and self._mode.kind == SYNC:
-                        self._steps.pop(server_id, None)
+                        self._forget_step(server_id)
                 raise
             with self._lock:
-                self._steps.pop(server_id, None)
+                self._forget_step(server_id)
             step = self._step_at(shard_map, server_id)  # the server restarted, say
             if step is None and not pieces:
                 return None

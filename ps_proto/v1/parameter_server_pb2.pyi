@@ -288,6 +288,7 @@ class PushReply(_message.Message):
     STALENESS_FIELD_NUMBER: _builtins.int
     STALE_DROPPED_FIELD_NUMBER: _builtins.int
     HONOURS_REFUSE_NON_FINITE_FIELD_NUMBER: _builtins.int
+    STEP_MEMBERS_FIELD_NUMBER: _builtins.int
     duplicate: _builtins.bool
     """True when this (client, incarnation, sequence) had already been applied."""
     next_step: _builtins.int
@@ -303,6 +304,13 @@ class PushReply(_message.Message):
     """This server refuses non-finite gradients whenever a push's header asks
     (PushHeader.refuse_non_finite): a client may leave that check of a push to it alone.
     """
+    @_builtins.property
+    def step_members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """For a push with a step: the clients taking part in this server's steps when it was
+        answered (ids). A client that finds the server restarted joins again with them
+        (JoinStepsRequest.peers), so that the restarted server's first step waits for them.
+        """
+
     def __init__(
         self,
         *,
@@ -312,10 +320,11 @@ class PushReply(_message.Message):
         staleness: _builtins.int = ...,
         stale_dropped: _builtins.bool = ...,
         honours_refuse_non_finite: _builtins.bool = ...,
+        step_members: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "honours_refuse_non_finite", b"honours_refuse_non_finite", "next_step", b"next_step", "stale_dropped", b"stale_dropped", "staleness", b"staleness", "waited_s", b"waited_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "honours_refuse_non_finite", b"honours_refuse_non_finite", "next_step", b"next_step", "stale_dropped", b"stale_dropped", "staleness", b"staleness", "step_members", b"step_members", "waited_s", b"waited_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -819,6 +828,8 @@ class JoinStepsRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    RESUME_STEP_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     incarnation: _builtins.int
     mode: _builtins.str
@@ -827,6 +838,16 @@ class JoinStepsRequest(_message.Message):
     """sync: the first step waits until this many clients have joined (later steps combine
     every client that has joined and not left or died).
     """
+    resume_step: _builtins.int
+    """A client that took part in this server's steps before the server restarted: the step
+    it computes next there, and the other members it last heard of (PushReply.step_members).
+    A restarted server that has run no step yet goes on from that step, and its first step
+    (sync), or any client's run ahead (ssp:K), waits for those peers to join again, for at
+    most the bound of a step's wait; a peer that left or was declared dead meanwhile is not
+    waited for. Ignored by a server whose steps have run since it started.
+    """
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -834,12 +855,16 @@ class JoinStepsRequest(_message.Message):
         incarnation: _builtins.int = ...,
         mode: _builtins.str = ...,
         replicas: _builtins.int = ...,
+        resume_step: _builtins.int | None = ...,
+        peers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_resume_step", b"_resume_step", "resume_step", b"resume_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "incarnation", b"incarnation", "mode", b"mode", "replicas", b"replicas"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_resume_step", b"_resume_step", "client_id", b"client_id", "incarnation", b"incarnation", "mode", b"mode", "peers", b"peers", "replicas", b"replicas", "resume_step", b"resume_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__resume_step: _TypeAlias = _typing.Literal["resume_step"]  # noqa: Y015
+    _WhichOneofArgType__resume_step: _TypeAlias = _typing.Literal["_resume_step", b"_resume_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__resume_step) -> _WhichOneofReturnType__resume_step | None: ...
 
 Global___JoinStepsRequest: _TypeAlias = JoinStepsRequest  # noqa: Y015
 
@@ -848,16 +873,22 @@ class JoinStepsReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STEP_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """The step the client computes first on this server."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The clients taking part in this server's steps, this one included."""
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
+        members: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,6 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
+from ps_proto.v1 import parameter_server_pb2 as ps_pb
+from ps_server.servicer import MAX_STEP_PEERS
 from ps_server.testing import wait_until
 from ps_worker import PSClient, RemoteError
 
@@ -225,6 +227,65 @@ def test_sync_a_server_restarted_while_a_step_waits_completes_the_step(
         waiting.result()
         # -2 - (5 + 7) / 2
         np.testing.assert_array_equal(a.pull("w"), np.full(4, -8.0, np.float32))
+
+
+# Without `replicas`, as ps-worker joins: the restarted server learns from the first client
+# back that b took part too (each stepped answer names the members; a client joining again
+# after a restart says where it was and with whom), and waits for b instead of applying a's
+# gradient alone and then pairing b's step 1 with a's step 2.
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_sync_after_a_server_restart_the_first_step_waits_for_every_member_from_before(
+        make_cluster, spawn, tmp_path, shared_memory):
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "ck",
+                           shared_memory=shared_memory)
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as b:
+        a.declare("w", (4,), optimizer=sgd())
+        for ps in (a, b):
+            ps.join_steps("sync")
+        other = spawn(b.push, {"w": np.full(4, 1.0, np.float32)})
+        a.push({"w": np.full(4, 3.0, np.float32)})
+        other.result()
+        cluster.checkpoint()  # holds w = -2
+        cluster.restart_server(0)  # nothing waits there: its steps start empty
+        waiting = spawn(a.push, {"w": np.full(4, 5.0, np.float32)})
+        wait_until(lambda: _awaits(cluster.servers[0], b.client_id),
+                   "a back at the restarted server, which waits for b")
+        b.push({"w": np.full(4, 7.0, np.float32)})
+        waiting.result()
+        a.push_async({"w": np.full(4, 1.0, np.float32)})
+        b.push({"w": np.full(4, 3.0, np.float32)})
+        a.flush()
+        # -2 - (5 + 7) / 2 - (1 + 3) / 2: each step one gradient of each client
+        np.testing.assert_array_equal(a.pull("w"), np.full(4, -10.0, np.float32))
+        assert gate(cluster.servers[0]).stats().applied == 2
+
+
+def _awaits(server, client_id: str) -> bool:
+    """Whether the server's steps have a member back and wait for `client_id` (a member
+    before the restart that has not joined again)."""
+    steps = gate(server)
+    return steps.stats().members == 1 and client_id in steps.members()
+
+
+def test_a_join_naming_more_peers_than_a_server_remembers_is_refused(make_cluster):
+    cluster, server = one_server_with_short_steps(make_cluster)
+    peers = [f"p{i}" for i in range(MAX_STEP_PEERS + 1)]
+    with grpc.insecure_channel(server.address) as channel:
+        join = channel.unary_unary("/ps.v1.ParameterServer/JoinSteps",
+                                   response_deserializer=ps_pb.JoinStepsReply.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            join(ps_pb.JoinStepsRequest(client_id="c", incarnation=1, mode="sync",
+                                        resume_step=3, peers=peers).SerializeToString(),
+                 timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"{MAX_STEP_PEERS + 1} peers" in refused.value.details()
+        assert gate(server).members() == []
+        reply = join(ps_pb.JoinStepsRequest(client_id="c", incarnation=1, mode="sync",
+                                            resume_step=3, peers=peers[:2]).SerializeToString(),
+                     timeout=30)
+        assert (reply.step, list(reply.members)) == (3, ["c", "p0", "p1"])
 
 
 # ---- How many clients a server takes in its steps ----------------------------------------
