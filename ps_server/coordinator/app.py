@@ -163,7 +163,7 @@ class Coordinator:
         self._assigner = Assigner(self.state, token, cluster_token=config.token,
                                   cluster_tls=config.tls)
         incarnations = Incarnations(self.generation)
-        retired = RetiredLog()
+        retired = self._retired = RetiredLog()
         # The job had failed in an earlier run, found so by this one (exit 0: see cli.main).
         self.failed_before_start = False
         self.runner = JobRunner(config.job, self._clock,
@@ -258,6 +258,12 @@ class Coordinator:
             return
         snap = self.runner.snapshot()
         self.failed_before_start = snap["state"] is JobState.FAILED
+        # The servers may not have read these retirements before the predecessor stopped
+        # (it logs them only in memory): a dead worker left among a server's step members
+        # would hold every sync step there for good. Retiring one twice changes nothing.
+        for worker in snap["workers"]:
+            if worker["state"] != "alive":
+                self._retired.append(worker["worker_id"], worker["incarnation"])
         log.info("resumed the job from %s: %s, epoch %d/%d, %d of %d task(s) done, %d step(s)",
                  source, snap["state"].value, snap["epoch"], snap["epochs"], snap["tasks_done"],
                  snap["tasks_total"], snap["steps"])

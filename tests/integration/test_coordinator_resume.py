@@ -70,3 +70,25 @@ def test_a_state_file_of_this_job_wins_over_an_older_checkpoint(dirs):
     ckpt, state = dirs
     StateFile(state / "coordinator-state.json").save({"job": progress_of(THIS_JOB, tasks=3)})
     assert resumed_tasks_done(ckpt, state) == 3
+
+
+def test_workers_gone_before_the_restart_are_retired_again_for_the_servers(dirs):
+    """The predecessor logged w1's retirement in memory only: the servers may not have read
+    it, and a dead worker left among a server's sync step members holds every step there.
+    The restarted coordinator's log (which servers read from the start) has it again."""
+    ckpt, state = dirs
+    clock = FakeClock(1000.0)
+    runner = JobRunner(THIS_JOB, clock, heartbeat_timeout_s=10.0)
+    w0, w1 = runner.register_worker("w0"), runner.register_worker("w1")
+    clock.advance(6.0)
+    assert runner.heartbeat("w0", w0) == "continue"
+    clock.advance(6.0)
+    assert runner.heartbeat("w0", w0) == "continue"  # w1 missed its heartbeats
+    StateFile(state / "coordinator-state.json").save({"job": runner.export_state()})
+    coordinator = Coordinator(CoordinatorConfig(job=THIS_JOB, checkpoint_dir=ckpt,
+                                                state_dir=state, checkpoint_every=None))
+    try:
+        retired, _ = coordinator.clients._retired.since(0)  # what servers read
+        assert [(r.client_id, r.incarnation) for r in retired] == [("w1", w1)]
+    finally:
+        coordinator.stop(grace_s=0)
