@@ -173,6 +173,17 @@ def _fenced(error: RemoteError) -> bool:
     return error.code().name == "FAILED_PRECONDITION" and "incarnation" in error.details()
 
 
+def _pause(seconds: float, should_stop) -> None:
+    """Sleep `seconds`, or less once `should_stop()` (a SIGTERM, say) says so: it is asked
+    every 50 ms."""
+    end = time.monotonic() + seconds
+    while not should_stop():
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
 class Trainer:
     """Runs tasks of one job against one PSClient. Not thread-safe: one per worker.
 
@@ -380,8 +391,8 @@ class Trainer:
             result.loss_sum += float(loss) * len(y)
             result.examples += len(y)
             result.steps += 1
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)  # a deliberately slow worker (--step-delay)
+            if self.step_delay_s:  # a deliberately slow worker (--step-delay)
+                _pause(self.step_delay_s, should_stop)
         ps.flush()  # the task counts as done only once its updates have landed
         result.seconds = time.monotonic() - started
         return result
