@@ -32,6 +32,13 @@ from ps_worker.telemetry import WorkerMetrics
 log = logging.getLogger("ps-worker")
 
 
+# A training step hung (--stall-timeout): its exit status, and the default bound. Ten
+# minutes is far beyond any step of a model that fits a worker, and short enough that a
+# sync job held by a hung worker goes on the same hour.
+EXIT_STALLED = 3
+STALL_TIMEOUT_S = 600.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ps-worker", description="Train on a paramserve cluster.")
     p.add_argument("--coordinator", type=parse_address,
@@ -55,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-delay", type=parse_seconds_or_zero, default=0.0, metavar="SECONDS",
                    help="sleep this long in every training step: a slow worker (a straggler) "
                    "for demos and tests (default 0)")
+    p.add_argument("--stall-timeout", type=parse_seconds_or_zero, default=STALL_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="exit (status 3) once a training step or an evaluation has spent this "
+                   "long in the model's or the device's code without a break: a hung step "
+                   "(a kernel, a deadlock, a read that never returns) would otherwise hold "
+                   "its task, and in sync every other worker, while the heartbeats go on. The "
+                   "coordinator then hands the task to another worker; a supervisor "
+                   "(restart: on-failure, a Job) starts this one again. Time in paramserve's "
+                   f"own calls does not count (they have deadlines). 0: never (default "
+                   f"{STALL_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_token_argument(p)
     add_tls_arguments(p, daemon=False)
@@ -162,6 +179,16 @@ def _until_done(worker: Worker, args: argparse.Namespace, config: WorkerConfig) 
             # nothing that must survive it: the coordinator re-runs its task.
             log.error("not stopped within --grace %g s of SIGTERM: exiting now", args.grace)
             os._exit(1)
+        stalled = worker.in_model_s()
+        if args.stall_timeout and stalled > args.stall_timeout:
+            # A thread stuck in a kernel or in C code cannot be interrupted: only the
+            # process's end frees the task (its heartbeats stop) and the GPU.
+            log.error("the current task has been in the model's or the device's code for "
+                      "%.0f s without a break, past --stall-timeout %g s: a hung step. "
+                      "Exiting (status %d): the coordinator hands the task to another worker "
+                      "once this one's heartbeats stop", stalled, args.stall_timeout,
+                      EXIT_STALLED)
+            os._exit(EXIT_STALLED)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["code"]

@@ -14,6 +14,7 @@ move to the device asynchronously.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -216,6 +217,25 @@ class Trainer:
         self._row_capacity: dict[str, int] = {}
         # GPU gradient buffers: the pushes that read each ring slot (see _reuse_slot).
         self._slot_pushes: dict[int, list[Future]] = {}
+        # When the trainer entered the model's or the device's code (None: it is not in
+        # it): read by another thread (in_model_s) to tell a hung step.
+        self._in_model_since: float | None = None
+
+    @contextlib.contextmanager
+    def _in_model(self):
+        """The code inside runs the model or the device, whose time paramserve does not
+        bound (its own calls have deadlines and retries that do)."""
+        self._in_model_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._in_model_since = None
+
+    def in_model_s(self) -> float:
+        """How long the trainer has been in the model's or the device's code without a
+        break (0 when it is not): a training step that hung shows here. Thread-safe."""
+        since = self._in_model_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def _buffers(self, slot: int) -> dict[str, np.ndarray]:
         return {s.name: self.backend.host_buffer(f"{s.name}#{slot}", s.shape, np.float32)
@@ -342,20 +362,23 @@ class Trainer:
             if observer is not None:
                 pulled.wait()
                 pull_wait = time.monotonic() - waiting
-            rows, inverse = self._rows_on_device(pulled)
             if step + 1 < len(batches) and not stepped:
                 upcoming_rows = self._pull_rows_async(ps, batches[step + 1], (step + 1) % 2)
-            params = {**self._on_device(host), **rows}
-            loss, grads, correct = self._step(params, (x, y))
-            if step == 0:  # once a task: a model's gradients keep their names and shapes
-                self._check_grads(grads, pulled)
-            result.correct += correct
-            for name in self.tables:
-                grads[name] = self.backend.sum_rows(grads[name], inverse[name],
-                                                    len(pulled.ids[name]))
+            pulled.wait()  # (a paramserve wait, bounded by its own deadlines)
+            with self._in_model():
+                rows, inverse = self._rows_on_device(pulled)
+                params = {**self._on_device(host), **rows}
+                loss, grads, correct = self._step(params, (x, y))
+                if step == 0:  # once a task: a model's gradients keep their names and shapes
+                    self._check_grads(grads, pulled)
+                result.correct += correct
+                for name in self.tables:
+                    grads[name] = self.backend.sum_rows(grads[name], inverse[name],
+                                                        len(pulled.ids[name]))
             self._reuse_slot(step)
-            host_grads = self.grads_to_host(grads, step)
-            self.backend.synchronize()  # also: no copy still reads this step's buffers
+            with self._in_model():
+                host_grads = self.grads_to_host(grads, step)
+                self.backend.synchronize()  # also: no copy still reads this step's buffers
             dense_grads = {n: g for n, g in host_grads.items() if n not in self.tables}
             waiting = time.monotonic() if observer is not None else 0.0
             later = step + ahead
@@ -496,24 +519,29 @@ class Trainer:
         slot = 0
         while batch is not None:
             x, y = batch
-            rows, _ = self._rows_on_device(upcoming_rows)
+            upcoming_rows.wait()
+            with self._in_model():
+                rows, _ = self._rows_on_device(upcoming_rows)
             batch, slot = next(batches, None), 1 - slot
             if batch is not None:
                 upcoming_rows = self._pull_rows_async(ps, batch, slot)
-            batch_params = {**params, **rows} if rows else params
-            if scoring:
-                loss_sum, correct, batch_scores = self._evaluate_and_score(batch_params, (x, y))
-                scores.append(self.backend.to_host(batch_scores))
-            else:
-                loss_sum, correct = self.model.evaluate(batch_params, (x, y))
-            if rows or scores:
-                self.backend.synchronize()  # rows' buffer is pulled into next; scores copied
+            with self._in_model():
+                batch_params = {**params, **rows} if rows else params
+                if scoring:
+                    loss_sum, correct, batch_scores = self._evaluate_and_score(batch_params,
+                                                                               (x, y))
+                    scores.append(self.backend.to_host(batch_scores))
+                else:
+                    loss_sum, correct = self.model.evaluate(batch_params, (x, y))
+                if rows or scores:
+                    self.backend.synchronize()  # rows' buffer is pulled into next; scores copied
             result.loss_sum += float(loss_sum)
             result.correct += int(correct)
             result.examples += len(y)
         # The parameters' host buffers (set 0) are the next task's to pull into: no copy to
         # the device may still read them (the backend's contract; CuPy's waits anyway).
-        self.backend.synchronize()
+        with self._in_model():
+            self.backend.synchronize()
         if scores:
             result.auc = held_out_auc(np.concatenate(scores), self.dataset.y_test)
         result.seconds = time.monotonic() - started
@@ -543,6 +571,7 @@ class Worker:
         self.observer = observer
         self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._stop = threading.Event()
+        self._trainer: Trainer | None = None  # once the job is known
         self._fenced = threading.Event()
         self._job_over = threading.Event()
         self._coordinator = CoordinatorClient(
@@ -599,9 +628,9 @@ class Worker:
                 failed = self._coordinator.report_job_error(self.worker_id, self._incarnation,
                                                             str(error))
                 raise JobCannotRun(str(error), job_failed=failed) from None
-            trainer = Trainer(job, dataset, model, backend,
-                              push_window=self.config.max_in_flight_pushes,
-                              step_delay_s=self.config.step_delay_s, observer=self.observer)
+            trainer = self._trainer = Trainer(
+                job, dataset, model, backend, push_window=self.config.max_in_flight_pushes,
+                step_delay_s=self.config.step_delay_s, observer=self.observer)
             log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
                      self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)
             heartbeat = threading.Thread(
@@ -766,6 +795,12 @@ class Worker:
             ps = self._client
         paths = set(ps.data_paths.values()) if ps is not None else set()
         return "+".join(sorted(paths, reverse=True))
+
+    def in_model_s(self) -> float:
+        """How long the current task has been in the model's or the device's code without
+        a break (Trainer.in_model_s; 0 before the job is known). Thread-safe."""
+        trainer = self._trainer
+        return 0.0 if trainer is None else trainer.in_model_s()
 
     def _interrupted(self) -> bool:
         return self._stop.is_set() or self._fenced.is_set() or self._job_over.is_set()

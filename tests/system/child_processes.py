@@ -21,14 +21,15 @@ POLL_S = 0.05
 class Proc:
     """One child process (`python -m module args`), stdout and stderr in files."""
 
-    def __init__(self, name: str, module: str, args: list[str], directory: Path):
+    def __init__(self, name: str, module: str, args: list[str], directory: Path,
+                 cwd: Path | None = None):
         self.name = name
         self.out_path = directory / f"{name}.out"
         self.err_path = directory / f"{name}.err"
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", module, *args], stdout=out, stderr=err,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     @property
