@@ -297,8 +297,10 @@ class StepGate:
                 self._high = max(self._high, step)
             self._resume_floor = self._high
         if self._clock() < self._awaited_until:
+            # No more than the steps take in members: every stepped answer names them all.
+            room = (self._max_members or MAX_REMEMBERED) - len(self._awaited)
             self._awaited.update(
-                p for p in peers[:MAX_REMEMBERED - len(self._awaited)]
+                p for p in list(peers)[:max(0, room)]
                 if p != client_id and p not in self._members and p not in self._gone)
 
     def _expire_awaited(self) -> None:

@@ -43,6 +43,9 @@ PULL_COPY_BYTES = 1 << 30
 # The most peers a JoinSteps may name (members of a server's steps before it restarted:
 # at most its --max-streams): bounds what a request can make a server remember.
 MAX_STEP_PEERS = 1 << 16
+# The longest client id that takes part in steps: every stepped push's answer names every
+# member, and one id of megabytes would swell all of them.
+MAX_STEP_CLIENT_ID = 1024
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -285,6 +288,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if len(request.peers) > MAX_STEP_PEERS:
                 raise InvalidArgument(f"JoinSteps names {len(request.peers)} peers, more than "
                                       f"the {MAX_STEP_PEERS} a server takes in its steps")
+            longest = max((len(c) for c in (request.client_id, *request.peers)), default=0)
+            if longest > MAX_STEP_CLIENT_ID:
+                raise InvalidArgument(f"JoinSteps: a client id of {longest} characters; ids "
+                                      f"that take part in steps have at most "
+                                      f"{MAX_STEP_CLIENT_ID}")
             step = self._pushes.steps.join(
                 request.client_id, request.incarnation, mode, max(request.replicas, 1),
                 resume_step=request.resume_step if request.HasField("resume_step") else None,

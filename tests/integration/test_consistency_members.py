@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
-from ps_server.servicer import MAX_STEP_PEERS
+from ps_server.servicer import MAX_STEP_CLIENT_ID, MAX_STEP_PEERS
 from ps_server.testing import wait_until
 from ps_worker import PSClient, RemoteError
 
@@ -269,7 +269,7 @@ def _awaits(server, client_id: str) -> bool:
     return steps.stats().members == 1 and client_id in steps.members()
 
 
-def test_a_join_naming_more_peers_than_a_server_remembers_is_refused(make_cluster):
+def test_a_join_naming_more_peers_or_longer_ids_than_a_server_takes_is_refused(make_cluster):
     cluster, server = one_server_with_short_steps(make_cluster)
     peers = [f"p{i}" for i in range(MAX_STEP_PEERS + 1)]
     with grpc.insecure_channel(server.address) as channel:
@@ -286,6 +286,15 @@ def test_a_join_naming_more_peers_than_a_server_remembers_is_refused(make_cluste
                                             resume_step=3, peers=peers[:2]).SerializeToString(),
                      timeout=30)
         assert (reply.step, list(reply.members)) == (3, ["c", "p0", "p1"])
+        for client_id, named in (("x" * (MAX_STEP_CLIENT_ID + 1), []),
+                                 ("d", ["y" * (MAX_STEP_CLIENT_ID + 1)])):
+            with pytest.raises(grpc.RpcError) as refused:
+                join(ps_pb.JoinStepsRequest(client_id=client_id, incarnation=1, mode="sync",
+                                            resume_step=3, peers=named).SerializeToString(),
+                     timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"{MAX_STEP_CLIENT_ID + 1} characters" in refused.value.details()
+        assert gate(server).members() == ["c", "p0", "p1"]
 
 
 # ---- How many clients a server takes in its steps ----------------------------------------

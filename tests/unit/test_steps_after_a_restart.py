@@ -156,3 +156,9 @@ def test_ssp_a_client_back_late_starts_where_it_was(spawn):
     blocked(gate, 1, "a waits for b")
     assert gate.join("b", 1, ssp(0), resume_step=6, peers=["a", "b"]) == 6
     assert ahead.result().next_step == 6
+
+
+def test_no_more_peers_are_awaited_than_the_steps_take_members():
+    gate = make_gate(max_members=3)
+    gate.join("a", 1, SYNC, resume_step=0, peers=[f"p{i}" for i in range(10)])
+    assert len(gate.members()) == 1 + 3
