@@ -38,15 +38,20 @@ import numpy as np
 
 from ps_common.consistency import SYNC, Mode
 from ps_common.errors import (
-    FailedPrecondition, FencedIncarnation, NotReady, PSError, StepTimeout,
+    FailedPrecondition, FencedIncarnation, InvalidArgument, NotReady, PSError, StepTimeout,
 )
 
 log = logging.getLogger(__name__)
 
 # The longest a push waits for other clients before it is told which ones it waited for.
 STEP_WAIT_S = 30.0
-# The most client ids a restarted server keeps as awaited, or as gone, while it resumes.
+# The most client ids a restarted server keeps as awaited, or as gone, while it resumes
+# (a server with no bound on its members: else that bound).
 MAX_REMEMBERED = 1 << 16
+MAX_INCARNATION = (1 << 63) - 1  # a leave of every incarnation
+# The longest client id that takes part in steps: every stepped push's answer names every
+# member, and one id of megabytes would swell all of them.
+MAX_STEP_CLIENT_ID = 1024
 
 
 @dataclass
@@ -72,7 +77,7 @@ class PushOutcome:
     staleness: int = 0
     stale_dropped: bool = False
     duplicate: bool = False
-    members: tuple[str, ...] = ()  # who takes part in the steps (PushReply.step_members)
+    members: tuple[tuple[str, int], ...] = ()  # (client_id, incarnation) of the members
 
 
 @dataclass(frozen=True)
@@ -209,18 +214,23 @@ class StepGate:
         self._waits = 0
         self._waited_s = 0.0
         # Resuming after a restart (see the module's docstring). `_fresh`: no step has run
-        # since the server started (sync: none applied; ssp: none finished); until then, a
-        # client's resume is honoured, and after, an awaited one's. `_resumed`: one has been. `_awaited`: members from
-        # before the restart not back yet, waited for until `_awaited_until`; `_gone`: ids
-        # that left or were retired meanwhile (a later client's peers may still name them);
-        # `_resume_floor` (ssp): the step the awaited members are taken to be at.
+        # since the server started (sync: none applied; ssp: none finished); until then, the
+        # resume of a client that is no member is honoured, and after, an awaited one's.
+        # `_resumed`: one has been, and the wait for its peers lasts until `_awaited_until`.
+        # `_awaited`: members from before the restart not back yet (id -> incarnation);
+        # `_gone`: ids that left or were retired meanwhile (id -> the newest incarnation
+        # gone), which a later client's peers may still name; `_resume_floor` (ssp): the
+        # step the awaited members are taken to be at.
         self._fresh = True
         self._resumed = False
         self._counted_from_resume = False  # the steps' count is the first resumer's
-        self._awaited: set[str] = set()
+        self._awaited: dict[str, int] = {}
         self._awaited_until = 0.0
-        self._gone: set[str] = set()
+        self._gone: dict[str, int] = {}
         self._resume_floor = 0
+        # Ids remembered as awaited or gone: no more than the steps take members (every
+        # stepped answer names the awaited ones).
+        self._remembered_max = max_members or MAX_REMEMBERED
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -234,6 +244,10 @@ class StepGate:
             raise FailedPrecondition("JoinSteps: the async mode has no steps to join")
         if replicas < 1:
             raise FailedPrecondition(f"JoinSteps: replicas {replicas} must be >= 1")
+        longest = max(len(c) for c in (client_id, *(p for p, _ in peers)))
+        if longest > MAX_STEP_CLIENT_ID:
+            raise InvalidArgument(f"JoinSteps: a client id of {longest} characters; ids that "
+                                  f"take part in steps have at most {MAX_STEP_CLIENT_ID}")
         with self._changed:
             self._check_open()
             if self._check_live is not None:
@@ -260,10 +274,13 @@ class StepGate:
                 raise FencedIncarnation(
                     f"client {client_id!r} incarnation {incarnation} was replaced by "
                     f"incarnation {current.incarnation}: register again")
-            # Honoured until a step has run here, and after that for a member awaited.
-            resuming = resume_step is not None and resume_step >= 0 and (
-                self._fresh or client_id in self._awaited)
-            self._awaited.discard(client_id)
+            # Honoured for a client this server does not count (it forgot it: it restarted),
+            # until a step has run here, and after that for a member it awaits.
+            awaited = self._awaited.get(client_id)
+            resuming = resume_step is not None and resume_step >= 0 and current is None and (
+                self._fresh or awaited is not None)
+            if awaited is not None and incarnation >= awaited:
+                del self._awaited[client_id]
             if resuming:
                 self._resume(client_id, mode, resume_step, peers, alone=not others)
             if mode.kind == SYNC:
@@ -296,12 +313,16 @@ class StepGate:
             else:
                 self._high = max(self._high, step)
             self._resume_floor = self._high
-        if self._clock() < self._awaited_until:
-            # No more than the steps take in members: every stepped answer names them all.
-            room = (self._max_members or MAX_REMEMBERED) - len(self._awaited)
-            self._awaited.update(
-                p for p in list(peers)[:max(0, room)]
-                if p != client_id and p not in self._members and p not in self._gone)
+        if self._clock() >= self._awaited_until:
+            return
+        for peer, incarnation in peers:
+            member = self._members.get(peer)
+            if peer == client_id or (member is not None and member.incarnation >= incarnation) \
+                    or self._gone.get(peer, -1) >= incarnation:
+                continue
+            if peer not in self._awaited and len(self._awaited) >= self._remembered_max:
+                break
+            self._awaited[peer] = max(self._awaited.get(peer, incarnation), incarnation)
 
     def _expire_awaited(self) -> None:
         """Stop waiting for members from before a restart once the wait's bound is past
@@ -311,20 +332,31 @@ class StepGate:
                         "restarted and have not joined again within %g s",
                         ", ".join(sorted(self._awaited)), self._wait_s)
             self._awaited.clear()
+        if not self._resume_open():
+            self._gone.clear()
 
-    def members(self) -> list[str]:
-        """The clients taking part in the steps, and those awaited after a restart."""
+    def _resume_open(self) -> bool:
+        """Whether a resume may still come (expects the lock held)."""
+        return self._fresh or (self._resumed and self._clock() < self._awaited_until)
+
+    def members(self) -> list[tuple[str, int]]:
+        """(client_id, incarnation) of the clients taking part in the steps, and of those
+        awaited after a restart."""
         with self._changed:
-            return sorted(self._members.keys() | self._awaited)
+            return list(self._member_ids())
 
     def leave(self, client_id: str, incarnation: int | None = None) -> None:
         """`client_id` takes part no more (left, or retired by the coordinator): nobody
         waits for it. `incarnation`: only that one or an older one."""
+        if len(client_id) > MAX_STEP_CLIENT_ID:
+            return  # never a member (join refuses it), and not worth remembering as gone
         with self._changed:
-            if self._fresh and len(self._gone) < MAX_REMEMBERED:
-                self._gone.add(client_id)
-            if client_id in self._awaited:
-                self._awaited.discard(client_id)
+            gone = incarnation if incarnation is not None else MAX_INCARNATION
+            if self._resume_open() and (client_id in self._gone
+                                        or len(self._gone) < self._remembered_max):
+                self._gone[client_id] = max(self._gone.get(client_id, gone), gone)
+            if self._awaited.get(client_id, MAX_INCARNATION + 1) <= gone:
+                del self._awaited[client_id]
                 self._maybe_apply()
                 self._changed.notify_all()
             member = self._members.get(client_id)
@@ -415,7 +447,7 @@ class StepGate:
             member.done = max(member.done, step + 1)
             self._high = max(self._high, member.done)
             self._fresh = False
-            self._gone.clear()
+            self._expire_awaited()
             self._changed.notify_all()
             bound = self._mode.bound if self._mode is not None else 0
             deadline = started + self._wait_s
@@ -434,7 +466,7 @@ class StepGate:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     behind = [c for c, m in self._members.items() if member.done > m.done + bound]
-                    raise self._timeout(step, behind + sorted(self._awaited))
+                    raise self._timeout(step, behind + sorted(self._awaited.keys()))
                 self._changed.wait(self._until_awaited_expire(remaining))
             staleness = member.done - slowest
             self.staleness_max = max(self.staleness_max, staleness)
@@ -492,7 +524,8 @@ class StepGate:
                 if remaining <= 0:
                     raise self._timeout(step, sorted(
                         {c for c, m in self._members.items()
-                         if (c, m.incarnation) not in self._pending.clients} | self._awaited))
+                         if (c, m.incarnation) not in self._pending.clients}
+                        | self._awaited.keys()))
                 self._changed.wait(self._until_awaited_expire(remaining))
             waited = self._waited(started)
             if step in self._failed:
@@ -543,14 +576,15 @@ class StepGate:
         self._step += 1
         self._started = True
         self._fresh = False
-        self._gone.clear()
+        self._expire_awaited()
         self._changed.notify_all()
 
     # ---- shared ---------------------------------------------------------------------------
 
-    def _member_ids(self) -> tuple[str, ...]:
+    def _member_ids(self) -> tuple[tuple[str, int], ...]:
         """members() with the lock held."""
-        return tuple(sorted(self._members.keys() | self._awaited))
+        return tuple(sorted({**self._awaited, **{c: m.incarnation
+                                                 for c, m in self._members.items()}}.items()))
 
     def _until_awaited_expire(self, remaining: float) -> float:
         """How long a wait may last (expects the lock held): at most `remaining`, and no

@@ -43,9 +43,6 @@ PULL_COPY_BYTES = 1 << 30
 # The most peers a JoinSteps may name (members of a server's steps before it restarted:
 # at most its --max-streams): bounds what a request can make a server remember.
 MAX_STEP_PEERS = 1 << 16
-# The longest client id that takes part in steps: every stepped push's answer names every
-# member, and one id of megabytes would swell all of them.
-MAX_STEP_CLIENT_ID = 1024
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -288,16 +285,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if len(request.peers) > MAX_STEP_PEERS:
                 raise InvalidArgument(f"JoinSteps names {len(request.peers)} peers, more than "
                                       f"the {MAX_STEP_PEERS} a server takes in its steps")
-            longest = max((len(c) for c in (request.client_id, *request.peers)), default=0)
-            if longest > MAX_STEP_CLIENT_ID:
-                raise InvalidArgument(f"JoinSteps: a client id of {longest} characters; ids "
-                                      f"that take part in steps have at most "
-                                      f"{MAX_STEP_CLIENT_ID}")
             step = self._pushes.steps.join(
                 request.client_id, request.incarnation, mode, max(request.replicas, 1),
                 resume_step=request.resume_step if request.HasField("resume_step") else None,
-                peers=request.peers)
-            return pb.JoinStepsReply(step=step, members=self._pushes.steps.members())
+                peers=[(p.client_id, p.incarnation) for p in request.peers])
+            return pb.JoinStepsReply(step=step,
+                                     members=_step_members(self._pushes.steps.members()))
 
     def LeaveSteps(self, request: pb.LeaveStepsRequest, context):
         with translate_errors(context, "LeaveSteps"):
@@ -496,7 +489,12 @@ def _push_reply(outcome: PushOutcome) -> pb.PushReply:
     return pb.PushReply(duplicate=outcome.duplicate, next_step=outcome.next_step,
                         waited_s=outcome.waited_s, staleness=outcome.staleness,
                         stale_dropped=outcome.stale_dropped, honours_refuse_non_finite=True,
-                        step_members=outcome.members)
+                        step_members=_step_members(outcome.members))
+
+
+def _step_members(members) -> list[pb.StepMember]:
+    return [pb.StepMember(client_id=client_id, incarnation=incarnation)
+            for client_id, incarnation in members]
 
 
 def _data_only(chunk: Chunk):

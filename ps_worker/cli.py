@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS",
                    help="exit (status 3) once a training step or an evaluation has spent this "
                    "long in the model's or the device's code without a break: a hung step "
-                   "(a kernel, a deadlock, a read that never returns) would otherwise hold "
+                   "(a kernel, a deadlock in the model that never returns) would otherwise hold "
                    "its task, and in sync every other worker, while the heartbeats go on. The "
                    "coordinator then hands the task to another worker; a supervisor "
                    "(restart: on-failure, a Job) starts this one again. Time in paramserve's "

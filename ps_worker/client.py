@@ -329,11 +329,13 @@ class PSClient:
         self._mode: Mode | None = None
         self._replicas = 1
         self._steps: dict[str, int] = {}
-        # Per server, the members of its steps its last answer named, and the step this client
-        # was at there if it must join again: told to it if it restarted
-        # (JoinStepsRequest.resume_step, peers), so that its first step waits for them.
-        self._step_members: dict[str, tuple[str, ...]] = {}
+        # Per server, the members of its steps (client_id, incarnation) its last stepped
+        # answer named, and the step this client was at there if it must join again: told to
+        # it if it restarted (JoinStepsRequest.resume_step, peers), so that its first step
+        # waits for them.
+        self._step_members: dict[str, tuple[tuple[str, int], ...]] = {}
         self._resume_at: dict[str, int] = {}
+        self._resume_mode: Mode | None = None  # the mode they are of, once it was left
         self.step_stats = StepStats()
         # Address -> shared-memory connection, or None: that server's calls go over gRPC.
         self._shared: dict[str, SharedConnection | None] = {}
@@ -1406,6 +1408,8 @@ class PSClient:
         self.leave_steps()
         with self._lock:
             self._mode, self._replicas = parsed, replicas
+            if self._resume_mode != parsed:  # where it was in another mode's steps: moot
+                self._step_members, self._resume_at = {}, {}
         shard_map = self.shard_map
         try:
             self._run_groups({server_id: None for server_id in shard_map.servers},
@@ -1414,7 +1418,7 @@ class PSClient:
             # Refused (another mode, say) or unreachable: this client takes part in no
             # steps, on no server, as before the call.
             with self._lock:
-                self._mode, self._steps, self._step_members, self._resume_at = None, {}, {}, {}
+                self._mode, self._steps = None, {}
             self._leave(shard_map.servers)
             raise
 
@@ -1426,7 +1430,17 @@ class PSClient:
         self._refuse_in_forked_child()  # before any lock a parent's thread may hold
         with self._lock:
             mode = self._mode
-            self._mode, self._steps, self._step_members, self._resume_at = None, {}, {}, {}
+            # In sync, where this client was is kept for its next join_steps in sync (a
+            # worker's next task): a server that restarted meanwhile learns from it which
+            # members to wait for (the step count of sync is the server's own). In ssp:K a
+            # count from before the leave would hold the others back: not kept.
+            if mode is not None and mode.kind == SYNC:
+                for server_id in self._step_members.keys() & self._steps.keys():
+                    self._resume_at[server_id] = self._steps[server_id]
+                self._resume_mode = mode
+            elif mode is not None:
+                self._step_members, self._resume_at, self._resume_mode = {}, {}, None
+            self._mode, self._steps = None, {}
         if mode is None:
             return
         try:
@@ -1464,7 +1478,9 @@ class PSClient:
         this client was (a restarted server goes on from there: JoinStepsRequest.resume_step).
         Expects the lock held."""
         was = self._steps.pop(server_id, None)
-        if was is not None:
+        # Only after a step answered there: a server that answered none has nothing to
+        # resume (and one whose first step is still pending keeps its `replicas`).
+        if was is not None and server_id in self._step_members:
             self._resume_at[server_id] = was
 
     def _step_at(self, shard_map: ShardMap, server_id: str) -> int | None:
@@ -1477,10 +1493,12 @@ class PSClient:
             if server_id in self._steps:
                 return self._steps[server_id]
             resume_step = self._resume_at.get(server_id)
-            peers = self._step_members.get(server_id, ())
+            peers = self._step_members.get(server_id, ()) if resume_step is not None else ()
         address = shard_map.servers[server_id]
-        request = ps_pb.JoinStepsRequest(client_id=self.client_id, incarnation=self.incarnation,
-                                         mode=str(mode), replicas=replicas, peers=peers)
+        request = ps_pb.JoinStepsRequest(
+            client_id=self.client_id, incarnation=self.incarnation, mode=str(mode),
+            replicas=replicas, peers=[ps_pb.StepMember(client_id=client_id, incarnation=inc)
+                                      for client_id, inc in peers])
         if resume_step is not None:
             request.resume_step = resume_step
         reply = self._call_server(
@@ -1489,8 +1507,6 @@ class PSClient:
         with self._lock:
             left = self._mode is not mode  # left (or joined anew) meanwhile
             if not left:
-                if reply.members:
-                    self._step_members[server_id] = tuple(reply.members)
                 self._resume_at.pop(server_id, None)
                 return self._steps.setdefault(server_id, reply.step)
         if self.mode == "async":  # left: this join may have landed after the leave did
@@ -1502,7 +1518,8 @@ class PSClient:
             if self._mode is not None:
                 self._steps[server_id] = max(self._steps.get(server_id, 0), reply.next_step)
                 if reply.step_members:
-                    self._step_members[server_id] = tuple(reply.step_members)
+                    self._step_members[server_id] = tuple(
+                        (m.client_id, m.incarnation) for m in reply.step_members)
             stats = self.step_stats
             stats.wait_s += reply.waited_s
             stats.staleness_max = max(stats.staleness_max, reply.staleness)

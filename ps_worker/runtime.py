@@ -535,8 +535,8 @@ class Trainer:
                     loss_sum, correct = self.model.evaluate(batch_params, (x, y))
                 if rows or scores:
                     self.backend.synchronize()  # rows' buffer is pulled into next; scores copied
-            result.loss_sum += float(loss_sum)
-            result.correct += int(correct)
+                result.loss_sum += float(loss_sum)  # (a device scalar waits for its kernel)
+                result.correct += int(correct)
             result.examples += len(y)
         # The parameters' host buffers (set 0) are the next task's to pull into: no copy to
         # the device may still read them (the backend's contract; CuPy's waits anyway).

@@ -305,9 +305,9 @@ class PushReply(_message.Message):
     (PushHeader.refuse_non_finite): a client may leave that check of a push to it alone.
     """
     @_builtins.property
-    def step_members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+    def step_members(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepMember]:
         """For a push with a step: the clients taking part in this server's steps when it was
-        answered (ids). A client that finds the server restarted joins again with them
+        answered. A client that finds the server restarted joins again with them
         (JoinStepsRequest.peers), so that the restarted server's first step waits for them.
         """
 
@@ -320,7 +320,7 @@ class PushReply(_message.Message):
         staleness: _builtins.int = ...,
         stale_dropped: _builtins.bool = ...,
         honours_refuse_non_finite: _builtins.bool = ...,
-        step_members: _abc.Iterable[_builtins.str] | None = ...,
+        step_members: _abc.Iterable[Global___StepMember] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -329,6 +329,32 @@ class PushReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushReply: _TypeAlias = PushReply  # noqa: Y015
+
+@_typing.final
+class StepMember(_message.Message):
+    """A client taking part in a server's steps, by incarnation: a retirement of an older
+    incarnation of the same id does not stand for it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    incarnation: _builtins.int
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "incarnation", b"incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepMember: _TypeAlias = StepMember  # noqa: Y015
 
 @_typing.final
 class AssignShardsRequest(_message.Message):
@@ -844,10 +870,11 @@ class JoinStepsRequest(_message.Message):
     A restarted server that has run no step yet goes on from that step, and its first step
     (sync), or any client's run ahead (ssp:K), waits for those peers to join again, for at
     most the bound of a step's wait; a peer that left or was declared dead meanwhile is not
-    waited for. Ignored by a server whose steps have run since it started.
+    waited for. Ignored by a server that counts the client among its members, and by one
+    whose steps have run since it started (except for a member it still awaits).
     """
     @_builtins.property
-    def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepMember]: ...
     def __init__(
         self,
         *,
@@ -856,7 +883,7 @@ class JoinStepsRequest(_message.Message):
         mode: _builtins.str = ...,
         replicas: _builtins.int = ...,
         resume_step: _builtins.int | None = ...,
-        peers: _abc.Iterable[_builtins.str] | None = ...,
+        peers: _abc.Iterable[Global___StepMember] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_resume_step", b"_resume_step", "resume_step", b"resume_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -877,14 +904,14 @@ class JoinStepsReply(_message.Message):
     step: _builtins.int
     """The step the client computes first on this server."""
     @_builtins.property
-    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepMember]:
         """The clients taking part in this server's steps, this one included."""
 
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
-        members: _abc.Iterable[_builtins.str] | None = ...,
+        members: _abc.Iterable[Global___StepMember] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...

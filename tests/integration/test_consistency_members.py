@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
-from ps_server.servicer import MAX_STEP_CLIENT_ID, MAX_STEP_PEERS
+from ps_server.consistency import MAX_STEP_CLIENT_ID
+from ps_server.servicer import MAX_STEP_PEERS
 from ps_server.testing import wait_until
 from ps_worker import PSClient, RemoteError
 
@@ -201,6 +202,20 @@ def test_sync_replicas_hold_the_first_step_of_a_new_run_on_servers_that_ran_step
 # against the restarted server, joins its steps again, and the step completes with both
 # clients' gradients.
 
+def first_sync_step_checkpointed(cluster, spawn, a: PSClient, b: PSClient,
+                                 replicas: int = 1) -> None:
+    """a declares "w" (SGD, lr 1), a and b join sync and make its first step (3 and 1
+    averaged: w = -2), and a checkpoint holds it."""
+    a.declare("w", (4,), optimizer=sgd())
+    for ps in (a, b):
+        ps.join_steps("sync", replicas=replicas)
+    other = spawn(b.push, {"w": np.full(4, 1.0, np.float32)})
+    a.push({"w": np.full(4, 3.0, np.float32)})
+    other.result()
+    np.testing.assert_array_equal(a.pull("w"), np.full(4, -2.0, np.float32))
+    cluster.checkpoint()
+
+
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
 def test_sync_a_server_restarted_while_a_step_waits_completes_the_step(
         make_cluster, spawn, tmp_path, shared_memory):
@@ -210,14 +225,7 @@ def test_sync_a_server_restarted_while_a_step_waits_completes_the_step(
     gate(cluster.servers[0])._wait_s = 5.0
     with PSClient(cluster.coordinator_address) as a, \
             PSClient(cluster.coordinator_address) as b:
-        a.declare("w", (4,), optimizer=sgd())
-        for ps in (a, b):
-            ps.join_steps("sync", replicas=2)
-        other = spawn(b.push, {"w": np.full(4, 1.0, np.float32)})
-        a.push({"w": np.full(4, 3.0, np.float32)})
-        other.result()
-        np.testing.assert_array_equal(a.pull("w"), np.full(4, -2.0, np.float32))
-        cluster.checkpoint()  # holds w = -2
+        first_sync_step_checkpointed(cluster, spawn, a, b, replicas=2)  # w = -2
         waiting = spawn(a.push, {"w": np.full(4, 5.0, np.float32)})
         wait_until(lambda: gate(cluster.servers[0])._pending.contributions,
                    "a's push of step 1 waiting at the server")
@@ -241,16 +249,10 @@ def test_sync_after_a_server_restart_the_first_step_waits_for_every_member_from_
                            shared_memory=shared_memory)
     with PSClient(cluster.coordinator_address) as a, \
             PSClient(cluster.coordinator_address) as b:
-        a.declare("w", (4,), optimizer=sgd())
-        for ps in (a, b):
-            ps.join_steps("sync")
-        other = spawn(b.push, {"w": np.full(4, 1.0, np.float32)})
-        a.push({"w": np.full(4, 3.0, np.float32)})
-        other.result()
-        cluster.checkpoint()  # holds w = -2
+        first_sync_step_checkpointed(cluster, spawn, a, b)  # w = -2
         cluster.restart_server(0)  # nothing waits there: its steps start empty
         waiting = spawn(a.push, {"w": np.full(4, 5.0, np.float32)})
-        wait_until(lambda: _awaits(cluster.servers[0], b.client_id),
+        wait_until(lambda: _awaits(cluster.servers[0], b),
                    "a back at the restarted server, which waits for b")
         b.push({"w": np.full(4, 7.0, np.float32)})
         waiting.result()
@@ -262,16 +264,90 @@ def test_sync_after_a_server_restart_the_first_step_waits_for_every_member_from_
         assert gate(cluster.servers[0]).stats().applied == 2
 
 
-def _awaits(server, client_id: str) -> bool:
-    """Whether the server's steps have a member back and wait for `client_id` (a member
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_sync_a_client_between_two_runs_when_a_server_restarts_waits_for_the_others(
+        make_cluster, spawn, tmp_path, shared_memory):
+    """b had left the steps (a ps-worker between two tasks) when the server restarted: its
+    next join_steps tells the restarted server where b was and with whom, and b's first
+    step there waits for a, as it would have before the restart."""
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "ck",
+                           shared_memory=shared_memory)
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as b:
+        first_sync_step_checkpointed(cluster, spawn, a, b)  # w = -2
+        b.leave_steps()
+        server = cluster.restart_server(0)
+        b.join_steps("sync")
+        waiting = spawn(b.push, {"w": np.full(4, 5.0, np.float32)})
+        wait_until(lambda: _awaits(server, a), "b back, the server waiting for a")
+        a.push({"w": np.full(4, 7.0, np.float32)})
+        waiting.result()
+        np.testing.assert_array_equal(a.pull("w"), np.full(4, -8.0, np.float32))
+        assert gate(server).stats().applied == 1
+
+
+def _awaits(server, client: PSClient) -> bool:
+    """Whether the server's steps have a member back and wait for `client` (a member
     before the restart that has not joined again)."""
     steps = gate(server)
-    return steps.stats().members == 1 and client_id in steps.members()
+    return steps.stats().members == 1 and (client.client_id, client.incarnation) in \
+        steps.members()
+
+
+def test_sync_a_retired_older_incarnation_of_a_peer_does_not_stop_the_wait_for_it(
+        make_cluster, spawn, tmp_path):
+    """b registered again under its id (a restarted trainer): the coordinator retired its
+    incarnation 1, and the restarted server reads that retirement again from the start of
+    the coordinator's log. It stands for the old incarnation, not for b."""
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "ck", shared_memory=False)
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as old_b:
+        old = old_b.incarnation  # (registers it)
+        with PSClient(cluster.coordinator_address, client_id=old_b.client_id) as b:
+            assert b.incarnation > old
+            first_sync_step_checkpointed(cluster, spawn, a, b)  # w = -2
+            server = cluster.restart_server(0)
+            wait_until(lambda: server.fence.retired_through >= 1,
+                       "the restarted server read the retirements")
+            waiting = spawn(a.push, {"w": np.full(4, 5.0, np.float32)})
+            wait_until(lambda: _awaits(server, b), "a back, the server waiting for b")
+            b.push({"w": np.full(4, 7.0, np.float32)})
+            waiting.result()
+            np.testing.assert_array_equal(a.pull("w"), np.full(4, -8.0, np.float32))
+            assert gate(server).stats().applied == 1
+
+
+def test_sync_a_push_again_after_a_timeout_still_waits_for_the_first_steps_replicas(
+        make_cluster, spawn):
+    """A live server: the first push's wait for its second replica runs out
+    (DEADLINE_EXCEEDED), the client joins again on its next push, and that push still waits
+    for the second replica."""
+    cluster = make_cluster(servers=1, shared_memory=False)
+    server = cluster.servers[0]
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as b:
+        a.declare("w", (4,), optimizer=sgd())
+        a.join_steps("sync", replicas=2)
+        gate(server)._wait_s = 0.2  # the product's 30 s, shortened: this wait must end
+        with pytest.raises(RemoteError) as timed_out:
+            a.push({"w": np.full(4, 1.0, np.float32)})
+        assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        gate(server)._wait_s = 30.0
+        again = spawn(a.push, {"w": np.full(4, 1.0, np.float32)})
+        wait_until(lambda: again.done.is_set() or gate(server).stats().waits == 0
+                   and len(gate(server)._pending.contributions) >= 2,
+                   "a's second push returned, or waits in step 0 beside its first")
+        assert not again.done.is_set() and gate(server).stats().applied == 0
+        b.join_steps("sync", replicas=2)
+        b.push({"w": np.full(4, 3.0, np.float32)})
+        again.result()
+        assert gate(server).stats().applied == 1
 
 
 def test_a_join_naming_more_peers_or_longer_ids_than_a_server_takes_is_refused(make_cluster):
     cluster, server = one_server_with_short_steps(make_cluster)
-    peers = [f"p{i}" for i in range(MAX_STEP_PEERS + 1)]
+    peers = [ps_pb.StepMember(client_id=f"p{i}", incarnation=1)
+             for i in range(MAX_STEP_PEERS + 1)]
     with grpc.insecure_channel(server.address) as channel:
         join = channel.unary_unary("/ps.v1.ParameterServer/JoinSteps",
                                    response_deserializer=ps_pb.JoinStepsReply.FromString)
@@ -285,16 +361,19 @@ def test_a_join_naming_more_peers_or_longer_ids_than_a_server_takes_is_refused(m
         reply = join(ps_pb.JoinStepsRequest(client_id="c", incarnation=1, mode="sync",
                                             resume_step=3, peers=peers[:2]).SerializeToString(),
                      timeout=30)
-        assert (reply.step, list(reply.members)) == (3, ["c", "p0", "p1"])
-        for client_id, named in (("x" * (MAX_STEP_CLIENT_ID + 1), []),
-                                 ("d", ["y" * (MAX_STEP_CLIENT_ID + 1)])):
+        assert reply.step == 3
+        assert [(m.client_id, m.incarnation) for m in reply.members] == [
+            ("c", 1), ("p0", 1), ("p1", 1)]
+        for client_id, named in (
+                ("x" * (MAX_STEP_CLIENT_ID + 1), []),
+                ("d", [ps_pb.StepMember(client_id="y" * (MAX_STEP_CLIENT_ID + 1))])):
             with pytest.raises(grpc.RpcError) as refused:
                 join(ps_pb.JoinStepsRequest(client_id=client_id, incarnation=1, mode="sync",
                                             resume_step=3, peers=named).SerializeToString(),
                      timeout=30)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"{MAX_STEP_CLIENT_ID + 1} characters" in refused.value.details()
-        assert gate(server).members() == ["c", "p0", "p1"]
+        assert gate(server).members() == [("c", 1), ("p0", 1), ("p1", 1)]
 
 
 # ---- How many clients a server takes in its steps ----------------------------------------

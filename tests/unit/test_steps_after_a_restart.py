@@ -14,23 +14,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ps_common.errors import InvalidArgument
+from ps_server.consistency import MAX_STEP_CLIENT_ID
 from test_step_gate import (
     SYNC, T0, Recorder, blocked, contribution, grads, make_gate, ssp,
 )
 
 
+def ids(*client_ids: str) -> list[tuple[str, int]]:
+    """(client_id, incarnation 1) of each: peers and members as the gate takes and gives."""
+    return [(c, 1) for c in client_ids]
+
+
 def test_sync_the_first_step_after_a_restart_waits_for_the_members_from_before(spawn):
     recorder = Recorder()
     gate = make_gate(recorder)
-    assert gate.join("a", 1, SYNC, resume_step=5, peers=["a", "b"]) == 5
-    assert gate.members() == ["a", "b"]  # b is awaited
+    assert gate.join("a", 1, SYNC, resume_step=5, peers=ids("a", "b")) == 5
+    assert gate.members() == ids("a", "b")  # b is awaited
     a = spawn(gate.contribute, contribution("a"), 5, [T0], grads([1.0]))
     blocked(gate, 1, "a waits for b, a member before the restart")
     assert recorder.calls == []
-    assert gate.join("b", 1, SYNC, resume_step=5, peers=["a", "b"]) == 5
+    assert gate.join("b", 1, SYNC, resume_step=5, peers=ids("a", "b")) == 5
     outcome = gate.contribute(contribution("b"), 5, [T0], grads([3.0]))
     assert outcome.next_step == a.result().next_step == 6
-    assert outcome.members == ("a", "b")
+    assert outcome.members == tuple(ids("a", "b"))
     (contributions, _, averaged), = recorder.calls
     assert sorted(c.client_id for c in contributions) == ["a", "b"]
     np.testing.assert_array_equal(averaged[0], np.float32([2.0]))
@@ -41,8 +48,8 @@ def test_sync_a_member_back_late_joins_the_step_the_first_one_set(spawn):
     computes the step the restarted server is at, whatever it says it was at."""
     recorder = Recorder()
     gate = make_gate(recorder)
-    gate.join("a", 1, SYNC, resume_step=5, peers=["a", "b"])
-    assert gate.join("b", 1, SYNC, resume_step=4, peers=["a", "b"]) == 5
+    gate.join("a", 1, SYNC, resume_step=5, peers=ids("a", "b"))
+    assert gate.join("b", 1, SYNC, resume_step=4, peers=ids("a", "b")) == 5
 
 
 @pytest.mark.parametrize("how", ["left", "retired", "left before"])
@@ -51,20 +58,20 @@ def test_sync_a_member_that_left_or_was_retired_is_not_awaited(spawn, how):
     gate = make_gate(recorder)
     if how == "left before":  # its LeaveSteps reached the restarted server first
         gate.leave("b", 1)
-    gate.join("a", 1, SYNC, resume_step=2, peers=["a", "b"])
+    gate.join("a", 1, SYNC, resume_step=2, peers=ids("a", "b"))
     a = spawn(gate.contribute, contribution("a"), 2, [T0], grads([1.0]))
     if how != "left before":
         blocked(gate, 1, "a waits for b")
         gate.leave("b", None if how == "left" else 1)
     assert a.result().next_step == 3
-    assert len(recorder.calls) == 1 and gate.members() == ["a"]
+    assert len(recorder.calls) == 1 and gate.members() == ids("a")
 
 
 def test_sync_the_wait_for_members_from_before_ends_at_the_bound_of_a_steps_wait(spawn):
     now = [100.0]
     recorder = Recorder()
     gate = make_gate(recorder, clock=lambda: now[0], wait_s=30.0)
-    gate.join("a", 1, SYNC, resume_step=0, peers=["a", "gone"])
+    gate.join("a", 1, SYNC, resume_step=0, peers=ids("a", "gone"))
     a = spawn(gate.contribute, contribution("a"), 0, [T0], grads([1.0]))
     blocked(gate, 1, "a waits for a member from before the restart")
     now[0] += 29.0
@@ -76,7 +83,7 @@ def test_sync_the_wait_for_members_from_before_ends_at_the_bound_of_a_steps_wait
     with gate._changed:
         gate._changed.notify_all()
     assert a.result().next_step == 1
-    assert len(recorder.calls) == 1 and gate.members() == ["a"]
+    assert len(recorder.calls) == 1 and gate.members() == ids("a")
 
 
 def test_a_resume_is_ignored_once_the_steps_have_run(spawn):
@@ -89,20 +96,20 @@ def test_a_resume_is_ignored_once_the_steps_have_run(spawn):
     gate.contribute(contribution("b"), 0, [T0], grads([1.0]))
     a.result()
     # c says it was at step 9 with x: this server has not restarted since its steps ran.
-    assert gate.join("c", 1, SYNC, resume_step=9, peers=["x"]) == 1
-    assert gate.members() == ["a", "b", "c"]
+    assert gate.join("c", 1, SYNC, resume_step=9, peers=ids("x")) == 1
+    assert gate.members() == ids("a", "b", "c")
 
 
 def test_a_client_that_joins_anew_after_a_restart_still_waits_for_the_members_from_before(
         spawn):
     recorder = Recorder()
     gate = make_gate(recorder)
-    gate.join("a", 1, SYNC, resume_step=3, peers=["a", "b"])
+    gate.join("a", 1, SYNC, resume_step=3, peers=ids("a", "b"))
     assert gate.join("new", 1, SYNC) == 3
     a = spawn(gate.contribute, contribution("a"), 3, [T0], grads([1.0]))
     new = spawn(gate.contribute, contribution("new"), 3, [T0], grads([1.0]))
     blocked(gate, 2, "both wait for b")
-    gate.join("b", 1, SYNC, resume_step=3, peers=["a", "b"])
+    gate.join("b", 1, SYNC, resume_step=3, peers=ids("a", "b"))
     gate.contribute(contribution("b"), 3, [T0], grads([4.0]))
     assert a.result().next_step == new.result().next_step == 4
     np.testing.assert_array_equal(recorder.calls[0][2][0], np.float32([2.0]))
@@ -110,11 +117,11 @@ def test_a_client_that_joins_anew_after_a_restart_still_waits_for_the_members_fr
 
 def test_ssp_the_first_client_back_runs_at_most_k_steps_ahead_of_its_peers(spawn):
     gate = make_gate()
-    assert gate.join("a", 1, ssp(1), resume_step=5, peers=["a", "b"]) == 5
+    assert gate.join("a", 1, ssp(1), resume_step=5, peers=ids("a", "b")) == 5
     assert gate.finish_step("a", 1, 5).next_step == 6  # one ahead of b, taken to be at 5
     ahead = spawn(gate.finish_step, "a", 1, 6)
     blocked(gate, 1, "a, two steps ahead of b")
-    assert gate.join("b", 1, ssp(1), resume_step=5, peers=["a", "b"]) == 5
+    assert gate.join("b", 1, ssp(1), resume_step=5, peers=ids("a", "b")) == 5
     blocked(gate, 1, "a still two steps ahead of b, now back")
     assert gate.finish_step("b", 1, 5).next_step == 6
     outcome = ahead.result()
@@ -123,10 +130,10 @@ def test_ssp_the_first_client_back_runs_at_most_k_steps_ahead_of_its_peers(spawn
 
 def test_stepped_answers_name_the_members_and_those_awaited():
     gate = make_gate()
-    gate.join("a", 1, ssp(3), resume_step=0, peers=["a", "b"])
-    assert gate.finish_step("a", 1, 0).members == ("a", "b")
+    gate.join("a", 1, ssp(3), resume_step=0, peers=ids("a", "b"))
+    assert gate.finish_step("a", 1, 0).members == tuple(ids("a", "b"))
     gate.leave("b")
-    assert gate.finish_step("a", 1, 1).members == ("a",)
+    assert gate.finish_step("a", 1, 1).members == tuple(ids("a"))
 
 
 def test_sync_a_client_that_joined_first_anew_keeps_the_count_and_waits_for_the_resumed(
@@ -137,11 +144,11 @@ def test_sync_a_client_that_joined_first_anew_keeps_the_count_and_waits_for_the_
     recorder = Recorder()
     gate = make_gate(recorder)
     assert gate.join("new", 1, SYNC) == 0
-    assert gate.join("a", 1, SYNC, resume_step=7, peers=["a", "b", "new"]) == 0
+    assert gate.join("a", 1, SYNC, resume_step=7, peers=ids("a", "b", "new")) == 0
     new = spawn(gate.contribute, contribution("new"), 0, [T0], grads([1.0]))
     a = spawn(gate.contribute, contribution("a"), 0, [T0], grads([1.0]))
     blocked(gate, 2, "both wait for b")
-    assert gate.join("b", 1, SYNC, resume_step=7, peers=["a", "b"]) == 0
+    assert gate.join("b", 1, SYNC, resume_step=7, peers=ids("a", "b")) == 0
     gate.contribute(contribution("b"), 0, [T0], grads([4.0]))
     assert a.result().next_step == new.result().next_step == 1
     np.testing.assert_array_equal(recorder.calls[0][2][0], np.float32([2.0]))
@@ -151,14 +158,78 @@ def test_ssp_a_client_back_late_starts_where_it_was(spawn):
     """b computes step 6 (its answer for step 5 came before the restart): a, back first
     and taken to have b beside it at 5, waits after its step 5 until b says where it is."""
     gate = make_gate()
-    gate.join("a", 1, ssp(0), resume_step=5, peers=["a", "b"])
+    gate.join("a", 1, ssp(0), resume_step=5, peers=ids("a", "b"))
     ahead = spawn(gate.finish_step, "a", 1, 5)
     blocked(gate, 1, "a waits for b")
-    assert gate.join("b", 1, ssp(0), resume_step=6, peers=["a", "b"]) == 6
+    assert gate.join("b", 1, ssp(0), resume_step=6, peers=ids("a", "b")) == 6
     assert ahead.result().next_step == 6
 
 
 def test_no_more_peers_are_awaited_than_the_steps_take_members():
     gate = make_gate(max_members=3)
-    gate.join("a", 1, SYNC, resume_step=0, peers=[f"p{i}" for i in range(10)])
+    gate.join("a", 1, SYNC, resume_step=0, peers=[(f"p{i}", 1) for i in range(10)])
     assert len(gate.members()) == 1 + 3
+
+
+def test_sync_a_member_joining_again_with_a_resume_keeps_the_first_steps_replicas(spawn):
+    """A client whose first push timed out waiting for its second replica joins again
+    saying where it was: this server counts it still (it never restarted), so the resume
+    is no restart's and the first step still waits for both replicas."""
+    recorder = Recorder()
+    gate = make_gate(recorder)
+    assert gate.join("a", 1, SYNC, replicas=2) == 0
+    assert gate.join("a", 1, SYNC, replicas=2, resume_step=0, peers=ids("a")) == 0
+    a = spawn(gate.contribute, contribution("a"), 0, [T0], grads([1.0]))
+    blocked(gate, 1, "a waits for its second replica")
+    assert recorder.calls == []
+    assert gate.join("b", 1, SYNC, replicas=2) == 0
+    gate.contribute(contribution("b"), 0, [T0], grads([3.0]))
+    assert a.result().next_step == 1
+    np.testing.assert_array_equal(recorder.calls[0][2][0], np.float32([2.0]))
+
+
+def test_ssp_a_peer_declared_dead_after_the_restart_is_not_awaited_again(spawn):
+    """In ssp the steps run while members from before the restart are awaited: one back
+    later, whose last answer named a client declared dead meanwhile, does not bring it
+    back among the awaited."""
+    gate = make_gate()
+    assert gate.join("a", 1, ssp(1), resume_step=5, peers=ids("a", "b", "c")) == 5
+    gate.leave("c", 1)  # retired by the coordinator
+    assert gate.members() == ids("a", "b")
+    assert gate.finish_step("a", 1, 5).next_step == 6
+    assert gate.join("b", 1, ssp(1), resume_step=5, peers=ids("a", "b", "c")) == 5
+    assert gate.finish_step("b", 1, 5).next_step == 6
+    assert gate.finish_step("a", 1, 6).next_step == 7  # within K of b: c is not awaited
+    assert gate.members() == ids("a", "b")
+
+
+def test_a_retired_older_incarnation_does_not_stop_the_wait_for_the_newer_one(spawn):
+    recorder = Recorder()
+    gate = make_gate(recorder)
+    gate.leave("b", 1)  # the coordinator's log, read again: b's incarnation 1 retired
+    gate.join("a", 1, SYNC, resume_step=4, peers=[("a", 1), ("b", 2)])
+    assert gate.members() == [("a", 1), ("b", 2)]
+    gate.leave("b", 1)  # again, after the resume
+    a = spawn(gate.contribute, contribution("a"), 4, [T0], grads([1.0]))
+    blocked(gate, 1, "a waits for b's incarnation 2")
+    gate.join("b", 2, SYNC, resume_step=4, peers=[("a", 1), ("b", 2)])
+    gate.contribute(contribution("b", incarnation=2), 4, [T0], grads([3.0]))
+    assert a.result().next_step == 5 and len(recorder.calls) == 1
+
+
+def test_leaves_of_ids_no_member_could_have_keep_nothing():
+    gate = make_gate(max_members=4)
+    for i in range(32):
+        gate.leave(f"{i:04d}" + "x" * (1 << 20), 1)  # longer than a member's id may be
+    for i in range(32):
+        gate.leave(f"c{i}", 1)
+    assert len(gate._gone) == 4  # at most as many as the steps take members
+
+
+def test_a_join_with_an_id_longer_than_members_may_have_is_refused():
+    gate = make_gate()
+    with pytest.raises(InvalidArgument):
+        gate.join("x" * (MAX_STEP_CLIENT_ID + 1), 1, SYNC)
+    with pytest.raises(InvalidArgument):
+        gate.join("a", 1, SYNC, resume_step=0, peers=[("y" * (MAX_STEP_CLIENT_ID + 1), 1)])
+    assert gate.members() == []
