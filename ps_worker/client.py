@@ -1396,6 +1396,10 @@ class PSClient:
         in sync is refused (sync averages whole variables); in ssp:K it carries no step: push
         a step's rows first and wait for them, then `push` (empty if need be) to finish the
         step, so that the others' pulls after it see them (as ps-worker does).
+        A server that restarts forgets its members: this client joins it again on its
+        next push, saying where it was and with whom, and the server's first step there
+        waits for those clients (see the README, "Across a server restart"); a client that
+        left sync steps says so when it joins sync steps again.
         Raises ValueError for a bad mode, RemoteError FAILED_PRECONDITION when other
         clients take part in another mode."""
         self._refuse_in_forked_child()  # before any lock a parent's thread may hold
