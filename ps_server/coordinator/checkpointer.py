@@ -157,6 +157,7 @@ class Checkpointer:
             parts = {sid: self._pool.submit(self._save_on, sid, shard_map.servers.get(sid, ""),
                                             directory, shard_map.epoch) for sid in holders}
             saved = {sid: part.result() for sid, part in parts.items()}
+            _check_visible(directory, saved)
             shards, files = [], {}
             for sid, part in saved.items():
                 files.update({f.name: f for f in part.files})
@@ -289,6 +290,29 @@ def take_last(checkpointer: Checkpointer, reason: str, *, give_up_after_s: float
         if stopping.wait(retry_every_s):
             log.error("the %s checkpoint was not taken: the coordinator is stopping", reason)
             return None
+
+
+def _check_visible(directory: Path, saved: dict[str, SavedPart]) -> None:
+    """Raise CheckpointFailed unless the coordinator sees every file the servers say they
+    wrote into `directory`, at its size: a --checkpoint-dir that is not one shared directory
+    (a volume per container, say) leaves checkpoints that no restore can read, and that
+    would only show when a server is lost."""
+    for server_id, part in sorted(saved.items()):
+        for record in part.files:
+            path = directory / record.name
+            try:
+                size = path.stat().st_size
+            except OSError as error:
+                seen = f"not there ({error.strerror or error})"
+            else:
+                if size == record.bytes:
+                    continue
+                seen = f"{size} bytes there, not the {record.bytes} it wrote"
+            raise CheckpointFailed(
+                f"server {server_id} wrote {record.name} into {directory}, but the coordinator "
+                f"finds it {seen}: --checkpoint-dir must be one directory shared by the "
+                "coordinator and every server (the same volume, mounted at the same path), or "
+                "no restore can read the checkpoints; nothing of this checkpoint is used")
 
 
 def _unwritable(path: Path, error: OSError) -> CheckpointFailed:

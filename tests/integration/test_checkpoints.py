@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ps_common.checkpoints import MANIFEST, RowSource, checkpoint_ids
+from ps_common.errors import CheckpointFailed
 from ps_server.testing import wait_until
 from ps_worker import PSClient, RetryPolicy
 
@@ -291,3 +292,32 @@ def test_checkpoint_every_off_still_checkpoints_new_variables_at_once(make_clust
         wait_until(lambda: checkpointer.last is not None and not checkpointer.uncovered(),
                    "a checkpoint holding the newly declared variable", timeout_s=10.0)
         assert "w" in checkpointer.last.variables
+
+
+def test_a_checkpoint_dir_the_coordinator_does_not_share_with_a_server_is_refused_by_name(
+        make_cluster, tmp_path):
+    """A --checkpoint-dir that is a directory of its own in each container: the server's
+    files are not where the coordinator looks. The checkpoint fails naming the flag and the
+    file, instead of passing for one no restore could read."""
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "coordinator-view")
+    with PSClient(cluster.coordinator_address) as ps:
+        ps.declare("w", (4,), optimizer=SGD1)
+        checkpointer = cluster.coordinator.checkpointer
+        wait_until(lambda: checkpointer.last is not None and checkpointer.wait_idle(0),
+                   "the checkpoint of the new variable")
+        save_on = checkpointer._save_on
+        elsewhere = tmp_path / "server-view"
+
+        def in_a_directory_of_its_own(server_id, address, directory, epoch):
+            own = elsewhere / directory.name  # the server's mount of "the same" path
+            own.mkdir(parents=True, exist_ok=True)
+            return save_on(server_id, address, own, epoch)
+
+        checkpointer._save_on = in_a_directory_of_its_own
+        before = checkpointer.last.id  # the one taken when "w" was declared
+        with pytest.raises(CheckpointFailed) as failed:
+            cluster.checkpoint()
+        assert "--checkpoint-dir must be one directory shared" in str(failed.value)
+        assert f"{cluster.servers[0].server_id}.safetensors" in str(failed.value)
+        assert checkpointer.last.id == before
+        assert checkpoint_ids(tmp_path / "coordinator-view") == [before]  # none half-made
