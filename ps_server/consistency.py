@@ -213,15 +213,17 @@ class StepGate:
         self.dropped_stale = 0
         self._waits = 0
         self._waited_s = 0.0
-        # Resuming after a restart (see the module's docstring). `_fresh`: no step has run
-        # since the server started (sync: none applied; ssp: none finished); until then, the
-        # resume of a client that is no member is honoured, and after, an awaited one's.
-        # `_resumed`: one has been, and the wait for its peers lasts until `_awaited_until`.
-        # `_awaited`: members from before the restart not back yet (id -> incarnation);
-        # `_gone`: ids that left or were retired meanwhile (id -> the newest incarnation
-        # gone), which a later client's peers may still name; `_resume_floor` (ssp): the
-        # step the awaited members are taken to be at.
-        self._fresh = True
+        # Resuming after a restart (see the module's docstring). `_window_until`: the end of
+        # the restart window, which opens with the first join since the server started and
+        # lasts the bound of a step's wait (None: not open yet); within it, the resume of a
+        # client that is no member is honoured, and after it, an awaited one's. A server
+        # running for longer has not restarted lately: it ignores resumes. `_resumed`: one
+        # has been, and the wait for its peers lasts until `_awaited_until`. `_awaited`:
+        # members from before the restart not back yet (id -> incarnation); `_gone`: ids that
+        # left or were retired meanwhile (id -> the newest incarnation gone, oldest first),
+        # which a later client's peers may still name; `_resume_floor` (ssp): the step the
+        # awaited members are taken to be at.
+        self._window_until: float | None = None
         self._resumed = False
         self._counted_from_resume = False  # the steps' count is the first resumer's
         self._awaited: dict[str, int] = {}
@@ -275,10 +277,12 @@ class StepGate:
                     f"client {client_id!r} incarnation {incarnation} was replaced by "
                     f"incarnation {current.incarnation}: register again")
             # Honoured for a client this server does not count (it forgot it: it restarted),
-            # until a step has run here, and after that for a member it awaits.
+            # within the restart window, and after it for a member it awaits.
+            if self._window_until is None:
+                self._window_until = self._clock() + self._wait_s
             awaited = self._awaited.get(client_id)
             resuming = resume_step is not None and resume_step >= 0 and current is None and (
-                self._fresh or awaited is not None)
+                self._in_window() or awaited is not None)
             if awaited is not None and incarnation >= awaited:
                 del self._awaited[client_id]
             if resuming:
@@ -335,9 +339,14 @@ class StepGate:
         if not self._resume_open():
             self._gone.clear()
 
+    def _in_window(self) -> bool:
+        """Within the restart window (expects the lock held)."""
+        return self._window_until is None or self._clock() < self._window_until
+
     def _resume_open(self) -> bool:
-        """Whether a resume may still come (expects the lock held)."""
-        return self._fresh or (self._resumed and self._clock() < self._awaited_until)
+        """Whether a resume may still come, or its peers be awaited (expects the lock
+        held)."""
+        return self._in_window() or (self._resumed and self._clock() < self._awaited_until)
 
     def members(self) -> list[tuple[str, int]]:
         """(client_id, incarnation) of the clients taking part in the steps, and of those
@@ -352,9 +361,13 @@ class StepGate:
             return  # never a member (join refuses it), and not worth remembering as gone
         with self._changed:
             gone = incarnation if incarnation is not None else MAX_INCARNATION
-            if self._resume_open() and (client_id in self._gone
-                                        or len(self._gone) < self._remembered_max):
-                self._gone[client_id] = max(self._gone.get(client_id, gone), gone)
+            if self._resume_open():
+                # Newest last: a restarted server reads the coordinator's retirements oldest
+                # first, and the newest are those a peers list may still name.
+                gone = max(self._gone.pop(client_id, gone), gone)
+                if len(self._gone) >= self._remembered_max:
+                    del self._gone[next(iter(self._gone))]
+                self._gone[client_id] = gone
             if self._awaited.get(client_id, MAX_INCARNATION + 1) <= gone:
                 del self._awaited[client_id]
                 self._maybe_apply()
@@ -446,8 +459,6 @@ class StepGate:
                                    members=self._member_ids())
             member.done = max(member.done, step + 1)
             self._high = max(self._high, member.done)
-            self._fresh = False
-            self._expire_awaited()
             self._changed.notify_all()
             bound = self._mode.bound if self._mode is not None else 0
             deadline = started + self._wait_s
@@ -575,8 +586,6 @@ class StepGate:
             del self._left_out[old]
         self._step += 1
         self._started = True
-        self._fresh = False
-        self._expire_awaited()
         self._changed.notify_all()
 
     # ---- shared ---------------------------------------------------------------------------

@@ -335,7 +335,6 @@ class PSClient:
         # waits for them.
         self._step_members: dict[str, tuple[tuple[str, int], ...]] = {}
         self._resume_at: dict[str, int] = {}
-        self._resume_mode: Mode | None = None  # the mode they are of, once it was left
         self.step_stats = StepStats()
         # Address -> shared-memory connection, or None: that server's calls go over gRPC.
         self._shared: dict[str, SharedConnection | None] = {}
@@ -1398,8 +1397,7 @@ class PSClient:
         step, so that the others' pulls after it see them (as ps-worker does).
         A server that restarts forgets its members: this client joins it again on its
         next push, saying where it was and with whom, and the server's first step there
-        waits for those clients (see the README, "Across a server restart"); a client that
-        left sync steps says so when it joins sync steps again.
+        waits for those clients (see the README, "Across a server restart").
         Raises ValueError for a bad mode, RemoteError FAILED_PRECONDITION when other
         clients take part in another mode."""
         self._refuse_in_forked_child()  # before any lock a parent's thread may hold
@@ -1412,8 +1410,6 @@ class PSClient:
         self.leave_steps()
         with self._lock:
             self._mode, self._replicas = parsed, replicas
-            if self._resume_mode != parsed:  # where it was in another mode's steps: moot
-                self._step_members, self._resume_at = {}, {}
         shard_map = self.shard_map
         try:
             self._run_groups({server_id: None for server_id in shard_map.servers},
@@ -1422,7 +1418,7 @@ class PSClient:
             # Refused (another mode, say) or unreachable: this client takes part in no
             # steps, on no server, as before the call.
             with self._lock:
-                self._mode, self._steps = None, {}
+                self._mode, self._steps, self._step_members, self._resume_at = None, {}, {}, {}
             self._leave(shard_map.servers)
             raise
 
@@ -1434,17 +1430,7 @@ class PSClient:
         self._refuse_in_forked_child()  # before any lock a parent's thread may hold
         with self._lock:
             mode = self._mode
-            # In sync, where this client was is kept for its next join_steps in sync (a
-            # worker's next task): a server that restarted meanwhile learns from it which
-            # members to wait for (the step count of sync is the server's own). In ssp:K a
-            # count from before the leave would hold the others back: not kept.
-            if mode is not None and mode.kind == SYNC:
-                for server_id in self._step_members.keys() & self._steps.keys():
-                    self._resume_at[server_id] = self._steps[server_id]
-                self._resume_mode = mode
-            elif mode is not None:
-                self._step_members, self._resume_at, self._resume_mode = {}, {}, None
-            self._mode, self._steps = None, {}
+            self._mode, self._steps, self._step_members, self._resume_at = None, {}, {}, {}
         if mode is None:
             return
         try:

@@ -871,7 +871,8 @@ class JoinStepsRequest(_message.Message):
     (sync), or any client's run ahead (ssp:K), waits for those peers to join again, for at
     most the bound of a step's wait; a peer that left or was declared dead meanwhile is not
     waited for. Ignored by a server that counts the client among its members, and by one
-    whose steps have run since it started (except for a member it still awaits).
+    whose first join since it started is older than the bound of a step's wait (except
+    for a member it still awaits).
     """
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepMember]: ...

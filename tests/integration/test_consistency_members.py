@@ -264,26 +264,61 @@ def test_sync_after_a_server_restart_the_first_step_waits_for_every_member_from_
         assert gate(cluster.servers[0]).stats().applied == 2
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
-def test_sync_a_client_between_two_runs_when_a_server_restarts_waits_for_the_others(
-        make_cluster, spawn, tmp_path, shared_memory):
-    """b had left the steps (a ps-worker between two tasks) when the server restarted: its
-    next join_steps tells the restarted server where b was and with whom, and b's first
-    step there waits for a, as it would have before the restart."""
-    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "ck",
-                           shared_memory=shared_memory)
+def test_sync_a_new_run_with_replicas_after_a_server_restart_waits_for_its_replicas(
+        make_cluster, spawn, tmp_path):
+    """A first run of r0 and r1 ends (each leaves); the server restarts; a second run with
+    replicas=2 waits for both replicas in its first step, as on a server that never
+    restarted."""
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "ck", shared_memory=False)
+    with PSClient(cluster.coordinator_address) as r0, \
+            PSClient(cluster.coordinator_address) as r1:
+        first_sync_step_checkpointed(cluster, spawn, r0, r1, replicas=2)  # w = -2
+        r1.leave_steps()
+        r0.push({"w": np.full(4, 2.0, np.float32)})  # alone: w = -4
+        r0.leave_steps()
+        cluster.checkpoint()
+        server = cluster.restart_server(0)
+        r0.join_steps("sync", replicas=2)
+        pushed = spawn(r0.push, {"w": np.full(4, 2.0, np.float32)})
+        wait_until(lambda: pushed.done.is_set() or gate(server)._pending.contributions,
+                   "r0's first push of the new run at the server")
+        assert not pushed.done.is_set()
+        r1.join_steps("sync", replicas=2)
+        r1.push({"w": np.full(4, 6.0, np.float32)})
+        pushed.result()
+        np.testing.assert_array_equal(r0.pull("w"), np.full(4, -8.0, np.float32))
+
+
+def test_sync_a_client_that_left_before_the_restart_is_not_awaited(
+        make_cluster, spawn, tmp_path):
+    """a, b and c make a step; c leaves for good and b between two tasks; a makes a step
+    alone, the only member when the server restarts. a, back, names only itself: with b,
+    which joins afresh for its next task, the first step there waits for nobody else."""
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "ck", shared_memory=False)
     with PSClient(cluster.coordinator_address) as a, \
-            PSClient(cluster.coordinator_address) as b:
-        first_sync_step_checkpointed(cluster, spawn, a, b)  # w = -2
+            PSClient(cluster.coordinator_address) as b, \
+            PSClient(cluster.coordinator_address) as c:
+        a.declare("w", (4,), optimizer=sgd())
+        for ps in (a, b, c):
+            ps.join_steps("sync")
+        others = [spawn(ps.push, {"w": np.full(4, 3.0, np.float32)}) for ps in (b, c)]
+        a.push({"w": np.full(4, 3.0, np.float32)})
+        for other in others:
+            other.result()
+        c.leave_steps()
         b.leave_steps()
+        a.push({"w": np.full(4, 1.0, np.float32)})  # alone: w = -4
+        cluster.checkpoint()
         server = cluster.restart_server(0)
         b.join_steps("sync")
-        waiting = spawn(b.push, {"w": np.full(4, 5.0, np.float32)})
-        wait_until(lambda: _awaits(server, a), "b back, the server waiting for a")
-        a.push({"w": np.full(4, 7.0, np.float32)})
+        waiting = spawn(a.push, {"w": np.full(4, 7.0, np.float32)})
+        wait_until(lambda: len(gate(server)._pending.contributions) == 1,
+                   "a back, its step waiting for b")
+        assert gate(server).members() == sorted(
+            [(a.client_id, a.incarnation), (b.client_id, b.incarnation)])
+        b.push({"w": np.full(4, 5.0, np.float32)})
         waiting.result()
-        np.testing.assert_array_equal(a.pull("w"), np.full(4, -8.0, np.float32))
-        assert gate(server).stats().applied == 1
+        np.testing.assert_array_equal(a.pull("w"), np.full(4, -10.0, np.float32))
 
 
 def _awaits(server, client: PSClient) -> bool:

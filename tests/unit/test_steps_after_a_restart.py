@@ -86,18 +86,57 @@ def test_sync_the_wait_for_members_from_before_ends_at_the_bound_of_a_steps_wait
     assert len(recorder.calls) == 1 and gate.members() == ids("a")
 
 
-def test_a_resume_is_ignored_once_the_steps_have_run(spawn):
+def test_a_resume_is_ignored_by_a_server_running_for_longer_than_the_restart_window(spawn):
+    now = [100.0]
     recorder = Recorder()
-    gate = make_gate(recorder)
+    gate = make_gate(recorder, clock=lambda: now[0], wait_s=30.0)
     for client in "ab":
-        gate.join(client, 1, SYNC)
+        gate.join(client, 1, SYNC)  # the first join opens the window: 30 s
     a = spawn(gate.contribute, contribution("a"), 0, [T0], grads([1.0]))
     blocked(gate, 1, "a waits for b")
     gate.contribute(contribution("b"), 0, [T0], grads([1.0]))
     a.result()
-    # c says it was at step 9 with x: this server has not restarted since its steps ran.
+    now[0] += 30.0
+    # c says it was at step 9 with x: this server has not restarted lately.
     assert gate.join("c", 1, SYNC, resume_step=9, peers=ids("x")) == 1
     assert gate.members() == ids("a", "b", "c")
+
+
+def test_a_client_back_after_another_made_steps_alone_still_brings_its_peers(spawn):
+    """c joined the restarted server afresh (a worker between two tasks) and made a step
+    there alone before anyone from before came back: a, back within the restart window,
+    still names b, and the steps wait for b from then on."""
+    recorder = Recorder()
+    gate = make_gate(recorder)
+    gate.join("c", 1, SYNC)
+    assert gate.contribute(contribution("c"), 0, [T0], grads([1.0])).next_step == 1
+    assert gate.join("a", 1, SYNC, resume_step=7, peers=ids("a", "b", "c")) == 1
+    assert gate.members() == ids("a", "b", "c")  # b awaited
+    a = spawn(gate.contribute, contribution("a"), 1, [T0], grads([1.0]))
+    c = spawn(gate.contribute, contribution("c", 2), 1, [T0], grads([1.0]))
+    blocked(gate, 2, "a and c wait for b")
+    gate.join("b", 1, SYNC, resume_step=7, peers=ids("a", "b", "c"))
+    gate.contribute(contribution("b"), 1, [T0], grads([4.0]))
+    assert a.result().next_step == c.result().next_step == 2
+    np.testing.assert_array_equal(recorder.calls[1][2][0], np.float32([2.0]))
+
+
+def test_the_newest_retirements_are_those_kept_when_there_are_many(spawn):
+    """A restarted server reads the coordinator's retirements oldest first, up to the whole
+    job's: it keeps as many as its steps take members, the newest, which are those a peers
+    list may still name."""
+    recorder = Recorder()
+    gate = make_gate(recorder, max_members=4)
+    for i in range(10):
+        gate.leave(f"closed-long-ago-{i}", 1)
+    gate.leave("c", 1)  # declared dead just before the restart
+    gate.join("a", 1, SYNC, resume_step=3, peers=ids("a", "b", "c"))
+    gate.join("b", 1, SYNC, resume_step=3, peers=ids("a", "b", "c"))
+    assert gate.members() == ids("a", "b")
+    a = spawn(gate.contribute, contribution("a"), 3, [T0], grads([1.0]))
+    blocked(gate, 1, "a waits for b")
+    assert gate.contribute(contribution("b"), 3, [T0], grads([3.0])).next_step == 4
+    assert a.result().next_step == 4
 
 
 def test_a_client_that_joins_anew_after_a_restart_still_waits_for_the_members_from_before(
@@ -223,7 +262,7 @@ def test_leaves_of_ids_no_member_could_have_keep_nothing():
         gate.leave(f"{i:04d}" + "x" * (1 << 20), 1)  # longer than a member's id may be
     for i in range(32):
         gate.leave(f"c{i}", 1)
-    assert len(gate._gone) == 4  # at most as many as the steps take members
+    assert list(gate._gone) == ["c28", "c29", "c30", "c31"]  # as many as members, newest
 
 
 def test_a_join_with_an_id_longer_than_members_may_have_is_refused():
