@@ -229,7 +229,10 @@ class StepGate:
         self._awaited: dict[str, int] = {}
         self._awaited_until = 0.0
         self._gone: dict[str, int] = {}
-        self._resume_floor = 0
+        self._resume_floor: int | None = None
+        # A step has run since the server started (sync: applied; ssp: finished): until
+        # then resumes are honoured whenever they come (a restore may outlast the window).
+        self._stepped_yet = False
         # Ids remembered as awaited or gone: no more than the steps take members (every
         # stepped answer names the awaited ones).
         self._remembered_max = max_members or MAX_REMEMBERED
@@ -257,7 +260,9 @@ class StepGate:
                 # removes the member (leave) only once it has joined.
                 self._check_live(client_id, incarnation)
             others = {c: m for c, m in self._members.items() if c != client_id}
-            self._check_room(len(others), mode, replicas)
+            # Members awaited after a restart hold their places: they were in before.
+            awaited_elsewhere = sum(1 for c in self._awaited if c != client_id and c not in others)
+            self._check_room(len(others) + awaited_elsewhere, mode, replicas)
             if others and mode != self._mode:
                 raise FailedPrecondition(
                     f"this server's steps run in {self._mode} (clients "
@@ -282,7 +287,7 @@ class StepGate:
                 self._window_until = self._clock() + self._wait_s
             awaited = self._awaited.get(client_id)
             resuming = resume_step is not None and resume_step >= 0 and current is None and (
-                self._in_window() or awaited is not None)
+                self._in_window() or not self._stepped_yet or awaited is not None)
             if awaited is not None and incarnation >= awaited:
                 del self._awaited[client_id]
             if resuming:
@@ -294,8 +299,9 @@ class StepGate:
                     start = resume_step
                 else:  # ssp: at the slowest member's step (it then holds nobody back)
                     start = min((m.done for m in others.values()), default=self._high)
-                if self._awaited:
-                    self._resume_floor = min(self._resume_floor, start)
+                if self._awaited:  # they are taken to be at the lowest step back
+                    self._resume_floor = start if self._resume_floor is None \
+                        else min(self._resume_floor, start)
             self._members[client_id] = _Member(incarnation, start)
             if not self._started:
                 self._joined_before_start.add(client_id)
@@ -316,7 +322,6 @@ class StepGate:
                 self._started, self._replicas = True, 1  # its peers are awaited instead
             else:
                 self._high = max(self._high, step)
-            self._resume_floor = self._high
         if self._clock() >= self._awaited_until:
             return
         for peer, incarnation in peers:
@@ -346,7 +351,8 @@ class StepGate:
     def _resume_open(self) -> bool:
         """Whether a resume may still come, or its peers be awaited (expects the lock
         held)."""
-        return self._in_window() or (self._resumed and self._clock() < self._awaited_until)
+        return self._in_window() or not self._stepped_yet or (
+            self._resumed and self._clock() < self._awaited_until)
 
     def members(self) -> list[tuple[str, int]]:
         """(client_id, incarnation) of the clients taking part in the steps, and of those
@@ -454,11 +460,12 @@ class StepGate:
             member = self._members.get(client_id)
             if member is None or member.incarnation != incarnation:
                 # It left (or was retired) after its push was admitted and applied: nothing
-                # to wait for, and refusing it now would say a push applied was not.
-                return PushOutcome(next_step=step + 1, waited_s=self._waited(started),
-                                   members=self._member_ids())
+                # to wait for, and refusing it now would say a push applied was not. (No
+                # members named: it takes no part in these steps.)
+                return PushOutcome(next_step=step + 1, waited_s=self._waited(started))
             member.done = max(member.done, step + 1)
             self._high = max(self._high, member.done)
+            self._stepped_yet = True
             self._changed.notify_all()
             bound = self._mode.bound if self._mode is not None else 0
             deadline = started + self._wait_s
@@ -469,7 +476,7 @@ class StepGate:
                                        members=self._member_ids())
                 self._expire_awaited()
                 slowest = min(m.done for m in self._members.values())
-                if self._awaited:
+                if self._awaited and self._resume_floor is not None:
                     slowest = min(slowest, self._resume_floor)
                 if member.done <= slowest + bound:
                     break
@@ -586,6 +593,7 @@ class StepGate:
             del self._left_out[old]
         self._step += 1
         self._started = True
+        self._stepped_yet = True
         self._changed.notify_all()
 
     # ---- shared ---------------------------------------------------------------------------

@@ -177,7 +177,8 @@ class PushReceiver:
 
     def _duplicate(self, header: PushHeader) -> PushOutcome:
         if header.step is not None and self.steps.kind_of(header.client_id) == SYNC:
-            return PushOutcome(next_step=self.steps.current_step(), duplicate=True)
+            return PushOutcome(next_step=self.steps.current_step(), duplicate=True,
+                               members=tuple(self.steps.members()))
         return self._stepped(header, True)
 
     def _stepped(self, header: PushHeader, duplicate: bool) -> PushOutcome:

@@ -308,7 +308,8 @@ class PSClient:
         # a header asks (an older server would ignore the ask): see _split.
         self._servers_checking: set[str] = set()
 
-        self._rpc_pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ps-client-rpc")
+        self._rpc_pool = futures.ThreadPoolExecutor(max_workers=16,
+                                                    thread_name_prefix="ps-client-rpc")
         self._prefetch_pool = futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="ps-client-pull")
         self._async_pool = futures.ThreadPoolExecutor(
@@ -1507,9 +1508,10 @@ class PSClient:
         with self._lock:
             if self._mode is not None:
                 self._steps[server_id] = max(self._steps.get(server_id, 0), reply.next_step)
-                if reply.step_members:
-                    self._step_members[server_id] = tuple(
-                        (m.client_id, m.incarnation) for m in reply.step_members)
+                members = tuple((m.client_id, m.incarnation) for m in reply.step_members)
+                # Only a list that names this client is of the steps it takes part in.
+                if any(client_id == self.client_id for client_id, _ in members):
+                    self._step_members[server_id] = members
             stats = self.step_stats
             stats.wait_s += reply.waited_s
             stats.staleness_max = max(stats.staleness_max, reply.staleness)

@@ -5,6 +5,8 @@ wait (StepGate._wait_s): a correct server never reaches it there."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import numpy as np
 import pytest
@@ -319,6 +321,40 @@ def test_sync_a_client_that_left_before_the_restart_is_not_awaited(
         b.push({"w": np.full(4, 5.0, np.float32)})
         waiting.result()
         np.testing.assert_array_equal(a.pull("w"), np.full(4, -10.0, np.float32))
+
+
+def test_ssp_a_push_answered_as_a_duplicate_after_the_restart_keeps_its_clients_peers(
+        make_cluster, spawn, tmp_path):
+    """a's push of an ssp step, applied and waiting for b, is in the checkpoint; the server
+    restarts, c joins it afresh, and a's push, retried there, is answered as a duplicate.
+    That answer does not replace a's peers: back on its next push, a brings b."""
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path / "ck", shared_memory=False)
+    with PSClient(cluster.coordinator_address) as a, \
+            PSClient(cluster.coordinator_address) as b, \
+            PSClient(cluster.coordinator_address) as c:
+        a.declare("w", (4,), optimizer=sgd())
+        for ps in (a, b):
+            ps.join_steps("ssp:1")
+        a.push({"w": np.ones(4, np.float32)})  # step 0: within K of b
+        server = cluster.servers[0]
+        waiting = spawn(a.push, {"w": np.ones(4, np.float32)})  # step 1: waits for b
+        wait_until(lambda: gate(server)._members[a.client_id].done == 2,
+                   "a's push of step 1 applied, waiting for b")
+        cluster.checkpoint()  # a's push of step 1 is in it, with its ledger entry
+        release = threading.Event()
+        pushes = cluster.faults.calls.get("Push", 0)
+        cluster.faults.hold_next("Push", release)  # a's retry at the restarted server
+        try:
+            server = cluster.restart_server(0)
+            wait_until(lambda: cluster.faults.calls.get("Push", 0) > pushes,
+                       "a's push retried at the restarted server")
+            c.join_steps("ssp:1")
+            cluster.wait_until_synced()  # its shard and ledger restored
+        finally:
+            release.set()
+        waiting.result()  # answered as a duplicate
+        a.push({"w": np.ones(4, np.float32)})  # refused as not joined: a joins again
+        assert (b.client_id, b.incarnation) in gate(server).members()
 
 
 def _awaits(server, client: PSClient) -> bool:

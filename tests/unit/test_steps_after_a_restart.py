@@ -1,10 +1,12 @@
-"""StepGate (ps_server.consistency) after its server restarted: clients that took part in
-its steps before join again saying where they were (the step they compute next, the members
-they last heard of), and the restarted server's steps wait for those members as they did
-before: the first sync step combines one gradient from each, and in ssp:K the first client
-back runs at most K steps ahead of where the others are taken to be. A member that left or
-was retired is not waited for, nor is one that has not come back within the bound of a
-step's wait; a resume is ignored by a gate whose steps have run.
+"""StepGate (ps_server.consistency), and the answers of PushReceiver, after their server
+restarted: clients that took part in its steps before join again saying where they were
+(the step they compute next, the members they last heard of), and the restarted server's
+steps wait for those members as they did before: the first sync step combines one gradient
+from each, and in ssp:K nobody runs more than K steps ahead of where the others are taken to
+be. A member that left or was retired is not waited for, nor is one that has not come back
+within the bound of a step's wait; a server running for longer than its restart window
+ignores resumes. Every stepped answer names the members, and one to a client that takes no
+part in the steps names none.
 
 Calls that must block run in threads and are seen waiting on the gate's condition, as in
 test_step_gate; the bound on the wait for members is passed on a fake clock."""
@@ -14,8 +16,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps_common.errors import InvalidArgument
+from ps_common.errors import FailedPrecondition, InvalidArgument
+from ps_common.shardmap import Component, Shard, VariableSpec
+from ps_common.tensors import TensorMeta
 from ps_server.consistency import MAX_STEP_CLIENT_ID
+from ps_server.ledger import PushLedger
+from ps_server.push_staging import PushStaging
+from ps_server.pushes import PushHeader, PushReceiver
+from ps_server.store import ShardStore
+from ps_server.testing import wait_until
 from test_step_gate import (
     SYNC, T0, Recorder, blocked, contribution, grads, make_gate, ssp,
 )
@@ -272,3 +281,78 @@ def test_a_join_with_an_id_longer_than_members_may_have_is_refused():
     with pytest.raises(InvalidArgument):
         gate.join("a", 1, SYNC, resume_step=0, peers=[("y" * (MAX_STEP_CLIENT_ID + 1), 1)])
     assert gate.members() == []
+
+
+def test_ssp_awaited_members_are_taken_at_the_lowest_step_back_beside_a_fresh_joiner(spawn):
+    """c joined the restarted server afresh and made 10 steps alone; a, back, joins at c's
+    step and names b, which is taken to be at the lowest step back (10), not at 0: c's step
+    10 (11 done, within K = 1) goes through."""
+    gate = make_gate()
+    gate.join("c", 1, ssp(1))
+    for step in range(10):
+        gate.finish_step("c", 1, step)
+    assert gate.join("a", 1, ssp(1), resume_step=7, peers=ids("a", "b", "c")) == 10
+    assert gate.members() == ids("a", "b", "c")  # b awaited
+    step_10 = spawn(gate.finish_step, "c", 1, 10)
+    wait_until(lambda: step_10.done.is_set() or gate._changed.waiting == 1,
+               "c's step 10 answered, or held in the gate")
+    if not step_10.done.is_set():
+        gate.leave("b")  # (lets it go: the test fails below)
+    assert step_10.result().next_step == 11 and ("b", 1) in gate.members(), \
+        "c, one step past the lowest step back, was held for b"
+    ahead = spawn(gate.finish_step, "c", 1, 11)  # 12 done: two past b's assumed 10
+    blocked(gate, 1, "c waits for b")
+    gate.join("b", 1, ssp(1), resume_step=10, peers=ids("a", "b", "c"))
+    gate.finish_step("a", 1, 10)
+    gate.finish_step("b", 1, 10)
+    assert ahead.result().next_step == 12
+
+
+def test_sync_an_awaited_member_keeps_its_place_under_the_member_bound():
+    """--max-streams 2: a is back and b awaited; c, joining afresh, is refused (as it would
+    have been before the restart), and b finds its place."""
+    gate = make_gate(max_members=2)
+    gate.join("a", 1, SYNC, resume_step=4, peers=ids("a", "b"))
+    with pytest.raises(FailedPrecondition, match="--max-streams"):
+        gate.join("c", 1, SYNC)
+    assert gate.join("b", 1, SYNC, resume_step=4, peers=ids("a", "b")) == 4
+
+
+SPEC = VariableSpec("w", (4,), initializer=Component.of("zeros"),
+                    optimizer=Component.of({"name": "sgd", "lr": 1.0}))
+ONES = memoryview(np.ones(4, np.float32).tobytes())
+
+
+def receiver() -> PushReceiver:
+    store = ShardStore()
+    store.assign(1, {"w": SPEC}, [Shard("w", 0, 0, 4, "s")])
+    return PushReceiver(store, PushLedger(), PushStaging(store.nbytes))
+
+
+def header(client: str, sequence: int, step: int) -> PushHeader:
+    return PushHeader(client_id=client, incarnation=1, sequence=sequence, acked_through=0,
+                      epoch=1, refs=[("w", 0)], metas=[TensorMeta("float32", (4,))], step=step)
+
+
+def test_sync_the_answer_to_a_retried_push_names_the_members(spawn):
+    pushes = receiver()
+    for client in "ab":
+        pushes.steps.join(client, 1, SYNC)
+    first = spawn(pushes.receive_whole, header("a", 1, 0), ONES)
+    wait_until(lambda: pushes.steps._pending.contributions, "a's push of step 0 pending")
+    pushes.receive_whole(header("b", 1, 0), ONES)
+    assert first.result().members == tuple(ids("a", "b"))
+    again = pushes.receive_whole(header("a", 1, 0), ONES)  # its answer was lost
+    assert again.duplicate and again.members == tuple(ids("a", "b"))
+
+
+def test_a_stepped_answer_to_a_client_that_takes_no_part_names_no_members():
+    """A restarted server, its ledger restored, where c joined afresh: a's push of an ssp
+    step recorded before the restart is retried there. a takes no part in these steps:
+    its answer names no members (naming c would make a's client forget b)."""
+    pushes = receiver()
+    with pushes._ledger.exactly_once("a", 1, 5, 0) as duplicate:  # recorded before
+        assert not duplicate
+    pushes.steps.join("c", 1, ssp(1))
+    outcome = pushes.receive_whole(header("a", 5, 3), ONES)
+    assert outcome.duplicate and outcome.members == ()
