@@ -255,6 +255,7 @@ class StepGate:
                                   f"take part in steps have at most {MAX_STEP_CLIENT_ID}")
         with self._changed:
             self._check_open()
+            self._expire_awaited()  # (no push may have come since the wait's bound)
             if self._check_live is not None:
                 # Under the lock: a retirement that the ledger records after this check
                 # removes the member (leave) only once it has joined.
@@ -290,6 +291,7 @@ class StepGate:
                 self._in_window() or not self._stepped_yet or awaited is not None)
             if awaited is not None and incarnation >= awaited:
                 del self._awaited[client_id]
+                self._awaited_changed()
             if resuming:
                 self._resume(client_id, mode, resume_step, peers, alone=not others)
             if mode.kind == SYNC:
@@ -341,8 +343,15 @@ class StepGate:
                         "restarted and have not joined again within %g s",
                         ", ".join(sorted(self._awaited)), self._wait_s)
             self._awaited.clear()
+            self._awaited_changed()
         if not self._resume_open():
             self._gone.clear()
+
+    def _awaited_changed(self) -> None:
+        """Once nobody is awaited, the next wait's floor is taken afresh (expects the lock
+        held)."""
+        if not self._awaited:
+            self._resume_floor = None
 
     def _in_window(self) -> bool:
         """Within the restart window (expects the lock held)."""
@@ -376,6 +385,7 @@ class StepGate:
                 self._gone[client_id] = gone
             if self._awaited.get(client_id, MAX_INCARNATION + 1) <= gone:
                 del self._awaited[client_id]
+                self._awaited_changed()
                 self._maybe_apply()
                 self._changed.notify_all()
             member = self._members.get(client_id)
@@ -600,6 +610,7 @@ class StepGate:
 
     def _member_ids(self) -> tuple[tuple[str, int], ...]:
         """members() with the lock held."""
+        self._expire_awaited()
         return tuple(sorted({**self._awaited, **{c: m.incarnation
                                                  for c, m in self._members.items()}}.items()))
 

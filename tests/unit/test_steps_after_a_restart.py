@@ -356,3 +356,62 @@ def test_a_stepped_answer_to_a_client_that_takes_no_part_names_no_members():
     pushes.steps.join("c", 1, ssp(1))
     outcome = pushes.receive_whole(header("a", 5, 3), ONES)
     assert outcome.duplicate and outcome.members == ()
+
+
+def test_a_member_given_up_long_ago_holds_no_place_and_is_named_nowhere():
+    """a is back naming b, then leaves before any push: nobody pushes when the bound of the
+    wait for b passes. Long after, b holds no place under --max-streams, no answer names
+    it, and a new run's clients join as on any server."""
+    now = [100.0]
+    gate = make_gate(clock=lambda: now[0], wait_s=30.0, max_members=2)
+    assert gate.join("a", 1, SYNC, resume_step=5, peers=ids("a", "b")) == 5
+    now[0] += 1.0
+    gate.leave("a", 1)
+    now[0] = 1000.0
+    assert gate.members() == []
+    gate.join("c", 1, SYNC, replicas=2)
+    gate.join("d", 1, SYNC, replicas=2)
+    assert gate.members() == ids("c", "d")
+
+
+def test_sync_a_member_given_up_long_ago_joins_at_the_current_step(spawn):
+    now = [100.0]
+    recorder = Recorder()
+    gate = make_gate(recorder, clock=lambda: now[0], wait_s=30.0)
+    assert gate.join("a", 1, SYNC, resume_step=5, peers=ids("a")) == 5
+    assert gate.contribute(contribution("a"), 5, [T0], grads([1.0])).next_step == 6
+    now[0] += 1.0
+    assert gate.join("d", 1, SYNC, resume_step=6, peers=ids("a", "b", "d")) == 6  # b awaited
+    gate.leave("a", 1)
+    gate.leave("d", 1)
+    now[0] = 1000.0
+    # No resume long after the window, though b was awaited once: a new run, replicas=2.
+    assert gate.join("b", 1, SYNC, replicas=2, resume_step=40, peers=ids("a", "b", "d")) == 6
+    b = spawn(gate.contribute, contribution("b"), 6, [T0], grads([1.0]))
+    blocked(gate, 1, "b's first step waits for its second replica")
+    assert len(recorder.calls) == 1
+    gate.join("e", 1, SYNC, replicas=2)
+    gate.contribute(contribution("e"), 6, [T0], grads([3.0]))
+    assert b.result().next_step == 7 and len(recorder.calls) == 2
+
+
+def test_ssp_a_second_wait_after_a_restart_takes_its_floor_afresh(spawn):
+    """a and b are back (the first wait, at step 5, is over) and run to step 20; d is back
+    within the window naming e: e is taken at the lowest step back now (20), not at 5."""
+    now = [100.0]
+    gate = make_gate(clock=lambda: now[0], wait_s=30.0)
+    assert gate.join("a", 1, ssp(1), resume_step=5, peers=ids("a", "b")) == 5
+    assert gate.join("b", 1, ssp(1), resume_step=5, peers=ids("a", "b")) == 5
+    for step in range(5, 20):
+        gate.finish_step("a", 1, step)
+        gate.finish_step("b", 1, step)
+    now[0] += 1.0
+    assert gate.join("d", 1, ssp(1), resume_step=20, peers=ids("a", "b", "d", "e")) == 20
+    assert ("e", 1) in gate.members()
+    step_20 = spawn(gate.finish_step, "a", 1, 20)  # 21 done: within K of 20
+    wait_until(lambda: step_20.done.is_set() or gate._changed.waiting == 1,
+               "a's step 20 answered, or held in the gate")
+    if not step_20.done.is_set():
+        gate.leave("e")  # (lets it go: the test fails below)
+    assert step_20.result().next_step == 21 and ("e", 1) in gate.members(), \
+        "a, one step past everyone back, was held for e taken at the first wait's floor"
