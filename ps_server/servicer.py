@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -486,10 +487,20 @@ def row_ids_of(refs) -> list[np.ndarray | None] | None:
 
 
 def _push_reply(outcome: PushOutcome) -> pb.PushReply:
-    return pb.PushReply(duplicate=outcome.duplicate, next_step=outcome.next_step,
-                        waited_s=outcome.waited_s, staleness=outcome.staleness,
-                        stale_dropped=outcome.stale_dropped, honours_refuse_non_finite=True,
-                        step_members=_step_members(outcome.members))
+    reply = pb.PushReply()
+    if outcome.members:
+        # Every client's answer in a step names the same members: built once, copied.
+        reply.CopyFrom(_naming(outcome.members))
+    reply.duplicate, reply.next_step = outcome.duplicate, outcome.next_step
+    reply.waited_s, reply.staleness = outcome.waited_s, outcome.staleness
+    reply.stale_dropped, reply.honours_refuse_non_finite = outcome.stale_dropped, True
+    return reply
+
+
+@functools.lru_cache(maxsize=8)
+def _naming(members: tuple[tuple[str, int], ...]) -> pb.PushReply:
+    """A PushReply naming `members` and nothing else (never changed: copied from)."""
+    return pb.PushReply(step_members=_step_members(members))
 
 
 def _step_members(members) -> list[pb.StepMember]:
