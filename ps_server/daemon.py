@@ -17,6 +17,10 @@ from ps_common.rpc import MalformedRequests, bind, make_server
 from ps_common.telemetry import MetricsEndpoint, RpcMetrics, service_methods
 from ps_common.tls import TLS
 
+# How long a stop waits for the health service to mark every service NOT_SERVING before it
+# goes on (see GrpcDaemon.stop).
+HEALTH_MARK_S = 1.0
+
 log = logging.getLogger(__name__)
 
 
@@ -75,13 +79,21 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._health.enter_graceful_shutdown()
+        # NOT_SERVING goes to every Health.Watch stream, and grpc's send to a stream being
+        # torn down (or whose caller stopped reading) can block for good: the health service
+        # is open to anyone, so no watcher may hold up a stop. The server's stop below ends
+        # those streams, and with them a send still blocked.
+        marking = threading.Thread(target=self._health.enter_graceful_shutdown,
+                                   name="health-not-serving", daemon=True)
+        marking.start()
+        marking.join(HEALTH_MARK_S)
         remaining = grace_s
         if self._drain is not None:
             began = time.monotonic()
             self._drain(grace_s)
             remaining = max(0.0, grace_s - (time.monotonic() - began))
         self.server.stop(remaining).wait(remaining + 1.0)
+        marking.join(HEALTH_MARK_S)
         for companion in self._companions:
             companion.stop()
         self._executor.shutdown(wait=False)
