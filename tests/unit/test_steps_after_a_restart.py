@@ -35,6 +35,14 @@ def ids(*client_ids: str) -> list[tuple[str, int]]:
     return [(c, 1) for c in client_ids]
 
 
+def clocked_gate(**kwargs):
+    """(now, recorder, gate): a gate on a fake clock (`now[0]`, seconds) with the product's
+    30 s bound on a step's wait, and the recorder of its applied steps."""
+    now = [100.0]
+    recorder = Recorder()
+    return now, recorder, make_gate(recorder, clock=lambda: now[0], wait_s=30.0, **kwargs)
+
+
 def test_sync_the_first_step_after_a_restart_waits_for_the_members_from_before(spawn):
     recorder = Recorder()
     gate = make_gate(recorder)
@@ -77,9 +85,7 @@ def test_sync_a_member_that_left_or_was_retired_is_not_awaited(spawn, how):
 
 
 def test_sync_the_wait_for_members_from_before_ends_at_the_bound_of_a_steps_wait(spawn):
-    now = [100.0]
-    recorder = Recorder()
-    gate = make_gate(recorder, clock=lambda: now[0], wait_s=30.0)
+    now, recorder, gate = clocked_gate()
     gate.join("a", 1, SYNC, resume_step=0, peers=ids("a", "gone"))
     a = spawn(gate.contribute, contribution("a"), 0, [T0], grads([1.0]))
     blocked(gate, 1, "a waits for a member from before the restart")
@@ -96,9 +102,7 @@ def test_sync_the_wait_for_members_from_before_ends_at_the_bound_of_a_steps_wait
 
 
 def test_a_resume_is_ignored_by_a_server_running_for_longer_than_the_restart_window(spawn):
-    now = [100.0]
-    recorder = Recorder()
-    gate = make_gate(recorder, clock=lambda: now[0], wait_s=30.0)
+    now, recorder, gate = clocked_gate()
     for client in "ab":
         gate.join(client, 1, SYNC)  # the first join opens the window: 30 s
     a = spawn(gate.contribute, contribution("a"), 0, [T0], grads([1.0]))
@@ -362,8 +366,7 @@ def test_a_member_given_up_long_ago_holds_no_place_and_is_named_nowhere():
     """a is back naming b, then leaves before any push: nobody pushes when the bound of the
     wait for b passes. Long after, b holds no place under --max-streams, no answer names
     it, and a new run's clients join as on any server."""
-    now = [100.0]
-    gate = make_gate(clock=lambda: now[0], wait_s=30.0, max_members=2)
+    now, _, gate = clocked_gate(max_members=2)
     assert gate.join("a", 1, SYNC, resume_step=5, peers=ids("a", "b")) == 5
     now[0] += 1.0
     gate.leave("a", 1)
@@ -375,9 +378,7 @@ def test_a_member_given_up_long_ago_holds_no_place_and_is_named_nowhere():
 
 
 def test_sync_a_member_given_up_long_ago_joins_at_the_current_step(spawn):
-    now = [100.0]
-    recorder = Recorder()
-    gate = make_gate(recorder, clock=lambda: now[0], wait_s=30.0)
+    now, recorder, gate = clocked_gate()
     assert gate.join("a", 1, SYNC, resume_step=5, peers=ids("a")) == 5
     assert gate.contribute(contribution("a"), 5, [T0], grads([1.0])).next_step == 6
     now[0] += 1.0
@@ -398,8 +399,7 @@ def test_sync_a_member_given_up_long_ago_joins_at_the_current_step(spawn):
 def test_ssp_a_second_wait_after_a_restart_takes_its_floor_afresh(spawn):
     """a and b are back (the first wait, at step 5, is over) and run to step 20; d is back
     within the window naming e: e is taken at the lowest step back now (20), not at 5."""
-    now = [100.0]
-    gate = make_gate(clock=lambda: now[0], wait_s=30.0)
+    now, _, gate = clocked_gate()
     assert gate.join("a", 1, ssp(1), resume_step=5, peers=ids("a", "b")) == 5
     assert gate.join("b", 1, ssp(1), resume_step=5, peers=ids("a", "b")) == 5
     for step in range(5, 20):
