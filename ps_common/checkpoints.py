@@ -176,29 +176,46 @@ def fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-class _HashingFile:
-    """A file being written under a temporary name; `commit` makes it durable and visible."""
+# A file being written is flushed to the disk each time this much more of it was written:
+# the flush at its end then waits for at most this much, and a writer that watches for
+# progress (ps_server.snapshots: --checkpoint-stall-timeout) sees some at least this often.
+SYNC_EVERY_BYTES = 1 << 30
 
-    def __init__(self, path: Path):
+
+class _HashingFile:
+    """A file being written under a temporary name; `commit` makes it durable and visible.
+    `on_progress()` is called after each write, each flush to the disk and the commit."""
+
+    def __init__(self, path: Path, on_progress=lambda: None):
         self.path = path
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         self._tmp = Path(tmp)
         self._file = os.fdopen(fd, "wb")
         self._hash = hashlib.sha256()
         self._bytes = 0
+        self._synced = 0
+        self._on_progress = on_progress
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
         self._hash.update(view)
         self._file.write(view)
         self._bytes += len(view)
+        self._on_progress()
+        if self._bytes - self._synced >= SYNC_EVERY_BYTES:
+            self._file.flush()
+            os.fdatasync(self._file.fileno())
+            self._synced = self._bytes
+            self._on_progress()
 
     def commit(self) -> FileRecord:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        self._on_progress()
         os.replace(self._tmp, self.path)
         fsync_directory(self.path.parent)
+        self._on_progress()
         return FileRecord(self.path.name, self._bytes, self._hash.hexdigest())
 
     def abort(self) -> None:
@@ -210,9 +227,9 @@ class _HashingFile:
             self._tmp.unlink(missing_ok=True)
 
 
-def write_file(path: Path, data: bytes) -> FileRecord:
+def write_file(path: Path, data: bytes, on_progress=lambda: None) -> FileRecord:
     """`data` in `path`, durably: a temporary name, fsync, rename, fsync of the directory."""
-    out = _HashingFile(path)
+    out = _HashingFile(path, on_progress)
     try:
         out.write(data)
         return out.commit()
@@ -221,16 +238,17 @@ def write_file(path: Path, data: bytes) -> FileRecord:
         raise
 
 
-def write_json(path: Path, doc) -> FileRecord:
-    return write_file(path, json.dumps(doc, sort_keys=True).encode())
+def write_json(path: Path, doc, on_progress=lambda: None) -> FileRecord:
+    return write_file(path, json.dumps(doc, sort_keys=True).encode(), on_progress)
 
 
 class TensorFileWriter:
     """Streams a safetensors file: the header (every tensor's dtype and shape) first, then
-    each tensor's bytes, in the order the tensors were listed, as `write` is called."""
+    each tensor's bytes, in the order the tensors were listed, as `write` is called.
+    `on_progress()`: see _HashingFile."""
 
     def __init__(self, path: Path, tensors: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str]):
+                 metadata: dict[str, str], on_progress=lambda: None):
         header: dict = {"__metadata__": metadata}
         offset = 0
         self._expected: list[tuple[str, int]] = []
@@ -242,7 +260,7 @@ class TensorFileWriter:
             offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        self._out = _HashingFile(path)
+        self._out = _HashingFile(path, on_progress)
         self._out.write(struct.pack("<Q", len(encoded)) + encoded)
         self._next = 0
 

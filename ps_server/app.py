@@ -27,6 +27,7 @@ from ps_server.ledger import PushLedger
 from ps_server.memory import default_checkpoint_memory, default_memory_budget
 from ps_server.servicer import ParameterServerServicer, add_to_server
 from ps_server.shared_memory import SharedMemory, clear_dead
+from ps_server.snapshots import DEFAULT_STALL_TIMEOUT_S
 from ps_server.store import ShardStore
 from ps_server.streams import StreamLimiter, handler_threads
 from ps_server.telemetry import ServerCollector
@@ -63,6 +64,9 @@ class ServerConfig:
     # (ps_server.snapshots); past it, pushes to shards not yet written wait for the writer.
     # None: 15% of the machine's or container's memory (ps_server.memory).
     checkpoint_memory_bytes: int | None = None
+    # A checkpoint's write that makes no progress this long is given up, and the pushes it
+    # held go on (ps_server.snapshots); 0: never.
+    checkpoint_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     # Memory that streamed pushes may wait in until all of each has arrived; a push past it
     # waits in a file in spill_dir (ps_server.push_staging). None: a quarter of the bytes
     # the server holds, at least 16 MiB. spill_dir None: the system's temporary directory.
@@ -96,6 +100,10 @@ class ServerConfig:
             raise ValueError(f"--grace {self.grace_s} must be a number of seconds >= 0")
         if self.checkpoint_memory_bytes is not None and self.checkpoint_memory_bytes < 0:
             raise ValueError(f"--checkpoint-memory {self.checkpoint_memory_bytes} must be >= 0")
+        if not (math.isfinite(self.checkpoint_stall_timeout_s)
+                and self.checkpoint_stall_timeout_s >= 0):
+            raise ValueError(f"--checkpoint-stall-timeout {self.checkpoint_stall_timeout_s} must "
+                             "be a number of seconds >= 0 (0: never)")
         if self.push_memory_bytes is not None and self.push_memory_bytes < 0:
             raise ValueError(f"--push-memory {self.push_memory_bytes} must be >= 0")
         if self.receive_window_bytes != 0 and not (
@@ -170,6 +178,8 @@ class ParameterServer:
                                                default_checkpoint_memory()
                                                if config.checkpoint_memory_bytes is None
                                                else config.checkpoint_memory_bytes),
+                                           checkpoint_stall_timeout_s=(
+                                               config.checkpoint_stall_timeout_s),
                                            shared=self.shared,
                                            push_socket_filter=push_socket_filter,
                                            push_memory_bytes=config.push_memory_bytes,

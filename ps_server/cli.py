@@ -19,6 +19,7 @@ from ps_common.rpc import DEFAULT_CHUNK_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, Bin
 from ps_common.telemetry import MetricsBindError
 from ps_common.tf_config import SERVER, TF_CONFIG_ENV, Task
 from ps_server.app import ParameterServer, ServerConfig
+from ps_server.snapshots import DEFAULT_STALL_TIMEOUT_S
 
 log = logging.getLogger("ps-server")
 
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "while it writes; past it those pushes wait for the writer (default: 15%% "
                    "of the machine's or container's memory, at least 256MiB, at most the 30%% the "
                    "default --memory-budget leaves)")
+    p.add_argument("--checkpoint-stall-timeout", type=parse_seconds_or_zero,
+                   default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                   help="give up a checkpoint whose writing makes no progress for this long "
+                   "(a hung disk under --checkpoint-dir): the pushes it held go on and the "
+                   "checkpoint fails (default %(default)g; 0: never)")
     p.add_argument("--push-memory", type=parse_bytes, default=None,
                    help="memory streamed pushes may wait in until all of each has arrived "
                    "(pushes are applied all or nothing); a push past it waits in a file in "
@@ -110,6 +116,7 @@ def config_and_task(parser: argparse.ArgumentParser, args: argparse.Namespace,
             grace_s=args.grace, heartbeat_interval_s=args.heartbeat_interval,
             max_streams=args.max_streams, stream_idle_timeout_s=args.stream_idle_timeout,
             checkpoint_memory_bytes=args.checkpoint_memory,
+            checkpoint_stall_timeout_s=args.checkpoint_stall_timeout,
             push_memory_bytes=args.push_memory, spill_dir=args.spill_dir,
             receive_window_bytes=args.receive_window,
             shared_memory=not args.no_shm, token=token_of(parser, args),

@@ -59,12 +59,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                  fence: CoordinatorFence, streams: StreamLimiter, server_id: str = "",
                  buffers: BufferPool | None = None, pull_copy_bytes: int = PULL_COPY_BYTES,
                  checkpoint_memory_bytes: int = snapshots.DEFAULT_MEMORY_BYTES,
+                 checkpoint_stall_timeout_s: float = snapshots.DEFAULT_STALL_TIMEOUT_S,
                  shared: SharedMemory | None = None, push_socket_filter=None,
                  push_memory_bytes: int | None = None, spill_dir: str | None = None):
         self._store = store
         self._shared = shared
         self._ledger = ledger
         self._checkpoint_memory = checkpoint_memory_bytes
+        self.checkpoint_stall_timeout_s = checkpoint_stall_timeout_s  # 0: never given up
         # Set by the app once the port is bound (a server's id defaults to its address).
         self.server_id = server_id
         self._fence = fence
@@ -365,7 +367,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             directory = Path(request.directory)
             try:
                 outcome = snapshots.save(self._store, self._ledger, directory, self.server_id,
-                                         request.epoch, self._checkpoint_memory)
+                                         request.epoch, self._checkpoint_memory,
+                                         self.checkpoint_stall_timeout_s)
             except OSError as error:
                 raise CheckpointFailed(
                     f"server {self.server_id} cannot write its checkpoint files in "

@@ -12,6 +12,11 @@ during the checkpoint are ever copied, and those copies are bounded by `memory_b
 it, a push waits for the writer to reach its shard. So a checkpoint's extra memory is at
 most `memory_bytes` (plus one block), and a push stalls for a shard's memory copy unless
 that bound is hit.
+
+A disk that stops answering (a hung network mount) would hold such pushes, and every later
+checkpoint, for as long as it hangs: `save` gives up on a write that makes no progress for
+its stall timeout. The pushes then go on, the checkpoint fails, and whatever the stuck
+writer does once the disk answers again is thrown away.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import contextlib
 import logging
 import math
 import threading
+import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -29,6 +36,7 @@ import numpy as np
 from ps_common.checkpoints import (
     FileRecord, TensorFileWriter, slot_name, values_name, write_json,
 )
+from ps_common.errors import CheckpointFailed
 from ps_server.dynamic_rows import AGE_SLOT, AGO_SLOT, LastUseCut
 from ps_server.ledger import PushLedger
 from ps_server.memory import MIN_CHECKPOINT_MEMORY
@@ -39,6 +47,10 @@ log = logging.getLogger(__name__)
 BLOCK_ELEMENTS = 1 << 20
 # The servicer's default; ps-server's comes from ps_server.memory.default_checkpoint_memory.
 DEFAULT_MEMORY_BYTES = MIN_CHECKPOINT_MEMORY
+# ps-server --checkpoint-stall-timeout: a checkpoint's write that makes no progress this long
+# (no block written, no file made durable) is given up. Files are flushed to the disk every
+# SYNC_EVERY_BYTES (ps_common.checkpoints), so no single step waits for more than that.
+DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
 class UpdateGate:
@@ -123,6 +135,17 @@ class Capture:
         self._memory = memory_bytes
         self._used = 0
         self._cond = threading.Condition()
+        # Why the checkpoint was given up while its writer was still at work, if it was.
+        self.given_up: str | None = None
+        self._progress_at = time.monotonic()
+
+    def progressed(self) -> None:
+        """The writer moved on (a block written, a file made durable)."""
+        self._progress_at = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since the writer last moved on."""
+        return time.monotonic() - self._progress_at
 
     def preserve(self, targets: list):
         """Called by a push holding the locks of `targets`, before it changes them. Returns
@@ -175,12 +198,20 @@ class Capture:
                 self._used -= copy.nbytes
             self._cond.notify_all()
 
-    def abandon(self) -> None:
-        """Stop: nothing is waited for any more (the checkpoint failed)."""
+    def abandon(self, reason: str | None = None) -> None:
+        """Stop: nothing is waited for any more (the checkpoint failed). With `reason`, the
+        writer is still at work: it commits nothing once it gets on (`check`)."""
         with self._cond:
+            if reason is not None and self.given_up is None:
+                self.given_up = reason
             self._pending.clear()
             self._copies.clear()
             self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raises CheckpointFailed if the checkpoint was given up."""
+        if self.given_up is not None:
+            raise CheckpointFailed(self.given_up)
 
 
 @dataclass(frozen=True)
@@ -200,16 +231,61 @@ class SaveOutcome:
 
 
 def save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int,
-         memory_bytes: int = DEFAULT_MEMORY_BYTES) -> SaveOutcome:
+         memory_bytes: int = DEFAULT_MEMORY_BYTES,
+         stall_timeout_s: float = 0.0) -> SaveOutcome:
     """Write this server's cut into `directory`: `<server_id>.safetensors` and
     `<server_id>.ledger.json`. Raises StaleEpoch or NotReady when the server is not at
-    `epoch`. One at a time: pushes preserve shards for one cut only."""
-    with store.saving:
-        return _save(store, ledger, directory, server_id, epoch, memory_bytes)
+    `epoch`. One at a time: pushes preserve shards for one cut only.
+
+    `stall_timeout_s` (0: none): raise CheckpointFailed once the write has made no progress
+    that long, or once an earlier checkpoint's writer, stuck that way, has held the next one
+    back that long; the pushes it held go on. The write itself runs in a thread of its own,
+    which a disk that hangs may keep for as long as it hangs."""
+    if not stall_timeout_s:
+        with store.saving:
+            return _save(store, ledger, directory, server_id, epoch, memory_bytes)
+    if not store.saving.acquire(timeout=stall_timeout_s):
+        raise CheckpointFailed(
+            f"server {server_id}: an earlier checkpoint's write has not returned for "
+            f"{stall_timeout_s:g} s or more; it is stuck on the disk of --checkpoint-dir, and no "
+            "checkpoint can be written here until it returns")
+    started = threading.Event()
+    captured: list[Capture] = []
+    outcome: futures.Future = futures.Future()
+
+    def write() -> None:
+        try:
+            outcome.set_result(_save(store, ledger, directory, server_id, epoch, memory_bytes,
+                                     on_capture=lambda c: (captured.append(c), started.set())))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome.set_exception(error)
+        finally:
+            started.set()
+            store.saving.release()
+
+    threading.Thread(target=write, name="ps-checkpoint-write", daemon=True).start()
+    # The cut waits for pushes in progress, which finish on their own: only the writing
+    # after it is watched.
+    started.wait()
+    while True:
+        try:
+            return outcome.result(timeout=stall_timeout_s / 4)
+        except futures.TimeoutError:
+            capture = captured[0]
+            idle = capture.idle_s()
+            if idle >= stall_timeout_s:
+                reason = (f"server {server_id}: its checkpoint write in {directory} made no "
+                          f"progress for {idle:.0f} s (--checkpoint-stall-timeout "
+                          f"{stall_timeout_s:g}): the disk of --checkpoint-dir does not "
+                          "answer; training goes on without this checkpoint")
+                log.error("%s", reason)
+                store.end_capture(capture)
+                capture.abandon(reason)
+                raise CheckpointFailed(reason) from None
 
 
 def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int,
-          memory_bytes: int) -> SaveOutcome:
+          memory_bytes: int, on_capture=lambda capture: None) -> SaveOutcome:
     with store.gate.exclusive():
         store.check_epoch(epoch)
         shards = sorted(store.held(), key=lambda h: h.key)
@@ -230,19 +306,25 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
                 layout[id(held)] = [
                     (tensor, str(array.dtype), array.shape) for tensor, array, _ in
                     _tensors_of(held, _arrays(held, copy), cuts.get(id(held)))]
+    on_capture(capture)
     try:
-        ledger_file = write_json(directory / f"{server_id}.ledger.json", ledger_state)
+        ledger_file = write_json(directory / f"{server_id}.ledger.json", ledger_state,
+                                 on_progress=capture.progressed)
+        capture.check()
         tensors_name = f"{server_id}.safetensors"
         tensors = [entry for held in shards for entry in layout[id(held)]]
         writer = TensorFileWriter(directory / tensors_name, tensors,
                                   {"format": "paramserve", "server_id": server_id,
-                                   "epoch": str(epoch)})
+                                   "epoch": str(epoch)}, on_progress=capture.progressed)
         saved = []
         try:
             for held in shards:
+                capture.check()  # given up: the shards' copies are gone, the cut with them
                 saved.append(_write_shard(writer, capture, held, tensors_name,
                                           layout[id(held)], cuts.get(id(held))))
+            capture.check()
             tensors_file = writer.commit()
+            capture.check()
         except BaseException:
             writer.abort()
             raise

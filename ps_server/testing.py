@@ -206,7 +206,8 @@ class InProcessCluster:
     port of its own (`.metrics.url` of the coordinator and of each server).
     `push_memory_bytes` and `spill_dir` are the servers' --push-memory and --spill-dir
     (`push_memory_bytes=0`: every streamed push waits in a file). `receive_window_bytes` is
-    their --receive-window (None: its default).
+    their --receive-window and `checkpoint_stall_timeout_s` their --checkpoint-stall-timeout
+    (None: the defaults).
     """
 
     def __init__(self, servers: int = 2, *, split_threshold_bytes: int = 64 * 1024 * 1024,
@@ -219,7 +220,8 @@ class InProcessCluster:
                  checkpoint_every: Interval | None = None, shared_memory: bool = True,
                  token: str | None = None, tls: TLS | None = None,
                  metrics: bool = False, push_memory_bytes: int | None = None,
-                 spill_dir: str | Path | None = None, receive_window_bytes: int | None = None):
+                 spill_dir: str | Path | None = None, receive_window_bytes: int | None = None,
+                 checkpoint_stall_timeout_s: float | None = None):
         self._n = servers
         self._coordinator_config = CoordinatorConfig(
             heartbeat_interval_s=heartbeat_interval_s,
@@ -245,6 +247,8 @@ class InProcessCluster:
             self._server_kwargs["stream_idle_timeout_s"] = stream_idle_timeout_s
         if receive_window_bytes is not None:
             self._server_kwargs["receive_window_bytes"] = receive_window_bytes
+        if checkpoint_stall_timeout_s is not None:
+            self._server_kwargs["checkpoint_stall_timeout_s"] = checkpoint_stall_timeout_s
         self._ready_timeout_s = ready_timeout_s
         self.faults = FaultInjector()
         self.coordinator: Coordinator | None = None

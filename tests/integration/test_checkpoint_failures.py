@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 import errno
+import threading
 
 import grpc
 import numpy as np
@@ -150,3 +151,47 @@ def test_a_checkpoint_the_coordinator_cannot_write_names_the_cause(make_cluster,
     assert "No space left on device" in caught.value.details(), caught.value.details()
     assert str(tmp_path) in caught.value.details()
     assert kept in checkpoint_ids(tmp_path) and (tmp_path / kept / MANIFEST).exists()
+
+
+def test_a_checkpoint_whose_disk_hangs_fails_and_training_goes_on(make_cluster, tmp_path,
+                                                                  monkeypatch):
+    """A server's write that makes no progress for --checkpoint-stall-timeout is given up:
+    the coordinator's checkpoint fails naming the flag (FAILED_PRECONDITION through the
+    Checkpoint call), pushes and pulls go on meanwhile, and once the disk answers again the
+    next checkpoint is whole and restores."""
+    from ps_common import checkpoints
+
+    cluster = make_cluster(servers=1, checkpoint_dir=tmp_path, checkpoint_stall_timeout_s=0.5)
+    hung, answer = threading.Event(), threading.Event()
+    real = checkpoints.TensorFileWriter.append
+
+    def append(writer, array):
+        if not hung.is_set():
+            hung.set()
+            assert answer.wait(WAIT_S), "the test never let the disk answer"
+        return real(writer, array)
+
+    with PSClient(cluster.coordinator_address, retry=PATIENT) as ps:
+        ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
+        monkeypatch.setattr(checkpoints.TensorFileWriter, "append", append)
+        try:
+            with grpc.insecure_channel(cluster.coordinator_address) as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.Checkpoint(coordinator_pb2.CheckpointRequest(), timeout=WAIT_S)
+            assert hung.is_set()
+            ps.push({"w": np.ones(4, np.float32)})
+            np.testing.assert_array_equal(ps.pull("w"), np.full(4, -1.0, np.float32))
+        finally:
+            answer.set()
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (
+            caught.value.code(), caught.value.details())
+        assert "--checkpoint-stall-timeout" in caught.value.details(), caught.value.details()
+        store = cluster.servers[0].store
+        wait_until(lambda: not store.saving.locked(), "the stuck writer to return")
+        cluster.checkpoint()
+        ps.push({"w": np.ones(4, np.float32)})
+        cluster.restart_server(0)
+        wait_until(lambda: cluster.coordinator.state.shards_restored == 1, "the restore")
+        cluster.wait_until_synced()
+        np.testing.assert_array_equal(ps.pull("w"), np.full(4, -1.0, np.float32))
