@@ -26,12 +26,17 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 array of exactly `nbytes` (contents undefined)."""
+        """A writable uint8 array of exactly `nbytes` (contents undefined). A new one is
+        made only once the idle buffers fit the room the limit leaves now: with a limit
+        that counts the buffers in use (PushStaging), idle and in use stay within it."""
         with self._lock:
             for i in range(len(self._idle) - 1, -1, -1):  # the most recently released
                 if self._idle[i].nbytes == nbytes:
                     self._cached -= nbytes
                     return self._idle.pop(i)
+            limit = self._max()
+            while self._idle and self._cached > limit:
+                self._cached -= self._idle.pop(0).nbytes
         return np.empty(nbytes, dtype=np.uint8)
 
     def release(self, buffer: np.ndarray) -> None:

@@ -118,7 +118,10 @@ def preserve_for_reads(held) -> None:
     try:
         buffer = copies.pool.acquire(nbytes)
     except BaseException:
+        # No copy after all: the reads are off the shard, and must not go on reading it.
         copies.budget.release(nbytes)
+        for read in reads:
+            read._overtaken = True
         raise
     values = buffer.view(held.values.dtype).reshape(held.values.shape)
     np.copyto(values, held.values)

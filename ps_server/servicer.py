@@ -11,7 +11,9 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ps_common.errors import CheckpointFailed, InvalidArgument, OutOfRange, ResourceExhausted
+from ps_common.errors import (
+    CheckpointFailed, InvalidArgument, PSError, ResourceExhausted,
+)
 from ps_common.consistency import parse_mode
 from ps_common.rpc import MAX_CHUNK_BYTES
 from ps_common.status import translate_errors
@@ -149,14 +151,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 raise InvalidArgument("PushThenPull must carry a push header and a pull")
             header = _push_header(_parse_header(chunk.header))
             # The pull is checked first: a request that would fail changes nothing.
+            version = self._store.placement_version
             checked = self._checked_unary_pull(chunk.attached, "PushThenPull")
             pushed = _push_reply(self._pushes.receive_whole(header, chunk.data))
             try:
+                if self._store.placement_version != version:
+                    # The shards moved while the push ran (it may wait for its step): the
+                    # pull is checked again against what this server holds now.
+                    checked = self._checked_unary_pull(chunk.attached, "PushThenPull")
                 return self._one_message(checked, pushed.SerializeToString())
-            except OutOfRange:
-                # Values past the pull's wire dtype, found as they are read: the push was
-                # applied, and its answer goes alone (no pull header); the client pulls on
-                # its own, and that pull is refused.
+            except PSError:
+                # The push was applied; its pull is refused now (values past its wire
+                # dtype, found as they are read; shards moved or dropped meanwhile): the
+                # push's answer goes alone (no pull header), and the client pulls on its
+                # own, which is answered or refused as any pull.
                 return encode_chunk(None, b"", pushed.SerializeToString())
 
     def _checked_unary_pull(self, raw: bytes | memoryview, method: str

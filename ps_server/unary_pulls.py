@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ps_common.tensors import attached_field, chunk_prefix, wire_bytes
+from ps_common.tensors import attached_field, chunk_prefix, wire_bytes, wire_raw_dtype
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_server.store import CheckedRead, ShardStore
 
@@ -46,9 +46,11 @@ class RememberedPull:
         for read in checked:
             values = read.held.values
             what = read.held.describe()
-            encoded = wire_bytes(values, read.wire, what)
-            if np.may_share_memory(encoded, values):
-                self._parts.append(encoded)
+            # Decided without converting: a conversion may refuse the values (OutOfRange),
+            # and remembering must not fail where the answer alone may (PushThenPull applies
+            # its push before it answers).
+            if wire_raw_dtype(read.wire) == values.dtype and values.flags.c_contiguous:
+                self._parts.append(memoryview(values.reshape(-1).view(np.uint8)))
             else:
                 self._conversions.append((len(self._parts), values, read.wire, what))
                 self._parts.append(None)
