@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -40,6 +41,11 @@ MAX_SOCKETS = 256
 MAX_REQUEST_BYTES = 64 << 20
 
 _REFUSED = pb.PushSocketReply(refused=True).SerializeToString()
+# An answer its peer does not take within this long ends the socket: a client reads each
+# answer as soon as it comes, and a thread blocked sending to one that does not would outlive
+# close(), which can wake only a thread waiting to read. (A client whose answer is lost so
+# pushes again over gRPC, under the same sequence: answered as a duplicate if it was applied.)
+SEND_TIMEOUT_S = 10.0
 
 
 class PushSocket:
@@ -57,7 +63,10 @@ class PushSocket:
             # Made 0600 before anyone can connect: bound in a directory only this user can
             # enter, then renamed into place. (Not by setting the umask around bind(): the
             # umask is the whole process's, and another thread's files would get it.)
-            private = tempfile.mkdtemp(prefix=".push-socket-", dir=os.path.dirname(path))
+            # Named after the socket, with ".new": clear_dead removes it if this process is
+            # killed before it does.
+            private = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".new",
+                                       dir=os.path.dirname(path))
             try:
                 staged = os.path.join(private, "socket")
                 listener.bind(staged)
@@ -101,15 +110,23 @@ class PushSocket:
                 refused = self._closed or len(self._open) >= MAX_SOCKETS
                 if not refused:
                     self._open.add(sock)
-            if refused:
+            if not refused:
                 try:
-                    write_frame(sock, _REFUSED)
-                except OSError:
-                    pass
-                sock.close()
-                continue
-            threading.Thread(target=self._serve, args=(sock,), name="push-socket",
-                             daemon=True).start()
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                    _timeval(SEND_TIMEOUT_S))
+                    threading.Thread(target=self._serve, args=(sock,), name="push-socket",
+                                     daemon=True).start()
+                    continue
+                except (OSError, RuntimeError) as error:  # no thread to be had for a moment
+                    log.warning("push socket: cannot serve a connection (%s); its client "
+                                "pushes over gRPC", error)
+                    with self._lock:
+                        self._open.discard(sock)
+            try:
+                write_frame(sock, _REFUSED)
+            except OSError:
+                pass
+            sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
@@ -118,7 +135,8 @@ class PushSocket:
                 if frame is None:
                     return
                 write_frame(sock, self._answer(frame).SerializeToString())
-        except OSError as error:  # the client went away, or close() shut the socket
+        except OSError as error:  # the client went away, took no answer (SEND_TIMEOUT_S), or
+            # close() shut the socket
             log.debug("push socket ended: %s", error)
         finally:
             with self._lock:
@@ -158,3 +176,8 @@ class PushSocket:
             except OSError:
                 pass
 
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))

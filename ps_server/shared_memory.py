@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import secrets
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -319,12 +320,18 @@ def clear_dead() -> int:
               and not shm.owner_alive(path.name) and shm.owner_locked(path)}
     for path in entries:
         if path.name.startswith("." + shm.PREFIX) and path.name.endswith(".new"):
-            # A control segment its maker died before renaming (shm.create(locked=True)):
-            # this user's only (/dev/shm is sticky: another's cannot be removed).
+            # A control segment its maker died before renaming (shm.create(locked=True)), or
+            # the directory a push socket is bound in before it is renamed into place
+            # (ps_server.push_socket): this user's only (/dev/shm is sticky: another's cannot
+            # be removed).
             try:
                 if (path.stat().st_uid == uid and not shm.owner_alive(path.name[1:])
+                        and shm.owner_prefix(path.name[1:]) not in locked
                         and not shm.owner_locked(path)):
-                    shm.unlink(path)
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path)
+                    else:
+                        shm.unlink(path)
             except OSError:
                 pass
             continue
