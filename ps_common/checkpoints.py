@@ -117,6 +117,8 @@ class Manifest:
     def from_json(cls, text: str, directory: Path | None = None) -> "Manifest":
         try:
             doc = json.loads(text)
+            if not isinstance(doc, dict):
+                raise CheckpointError(f"not a {FORMAT} manifest (a JSON {type(doc).__name__})")
             if doc.get("format") != FORMAT or doc.get("version") != VERSION:
                 raise CheckpointError(f"not a {FORMAT} version {VERSION} manifest")
             if doc.pop("sha256", None) != _digest_of(doc):
@@ -356,11 +358,18 @@ def verify_file(directory: Path, record: FileRecord) -> None:
 
 
 def load_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST
     try:
-        text = (directory / MANIFEST).read_text()
+        text = path.read_bytes().decode()
     except OSError as error:
-        raise CheckpointError(f"{directory / MANIFEST}: {error.strerror or error}") from error
-    manifest = Manifest.from_json(text, directory)
+        raise CheckpointError(f"{path}: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:  # bit rot, or not a manifest at all
+        raise CheckpointError(f"{path}: not UTF-8 text ({error.reason} at byte "
+                              f"{error.start}): corrupt") from error
+    try:
+        manifest = Manifest.from_json(text, directory)
+    except CheckpointError as error:
+        raise CheckpointError(f"{path}: {error}") from error
     if manifest.id != directory.name:
         raise CheckpointError(f"{directory / MANIFEST} names checkpoint {manifest.id!r}")
     return manifest

@@ -56,29 +56,52 @@ class Catalog:
         with self._lock:
             self._current = manifest
 
-    def fall_back(self, reason: str) -> Manifest | None:
-        """The current checkpoint cannot be read after all: the previous good one, if any."""
+    def fall_back(self, failed_directory, reason: str) -> Manifest | None:
+        """The checkpoint in `failed_directory` cannot be read after all: if it is the
+        current one, the previous good one becomes current. Returns the current one. The
+        candidates are verified (every file read whole: minutes for a large model) with no
+        lock held: the coordinator answers meanwhile, and `current()` is the failed one
+        until a good one is found."""
         with self._lock:
             failed = self._current
-            if failed is None:
-                return None
+            if failed is None or str(failed.directory) != str(failed_directory):
+                return failed
             self._bad.add(failed.id)
-            for cid in reversed(checkpoint_ids(self.root)):
-                if cid in self._bad or cid >= failed.id:
-                    continue
-                try:
-                    self._current = verify(self.root / cid)
-                except CheckpointError as error:
+            candidates = [cid for cid in reversed(checkpoint_ids(self.root))
+                          if cid not in self._bad and cid < failed.id]
+        for cid in candidates:
+            try:
+                manifest = verify(self.root / cid)
+            except CheckpointError as error:
+                with self._lock:
                     self._bad.add(cid)
-                    log.error("checkpoint %s is unusable (%s); skipping it", cid, error)
-                    continue
-                log.error("checkpoint %s cannot be restored (%s); using the previous good "
-                          "checkpoint %s (step %d)", failed.id, reason, cid, self._current.step)
+                log.error("checkpoint %s is unusable (%s); skipping it", cid, error)
+                continue
+            with self._lock:
+                if self._current is not failed:  # a newer one taken, or fallen back already
+                    return self._current
+                self._current = manifest
+            log.error("checkpoint %s cannot be restored (%s); using the previous good "
+                      "checkpoint %s (step %d)", failed.id, reason, cid, manifest.step)
+            return manifest
+        with self._lock:
+            if self._current is not failed:
                 return self._current
             self._current = None
-            log.error("checkpoint %s cannot be restored (%s) and no older good checkpoint "
-                      "is left", failed.id, reason)
-            return None
+        log.error("checkpoint %s cannot be restored (%s) and no older good checkpoint "
+                  "is left", failed.id, reason)
+        return None
+
+
+def _prune(root: Path, keep: int, protect: list[str]) -> list[str]:
+    """prune(), whose failure (a file this process may not remove) is logged: it never
+    changes the outcome of the checkpoint being taken."""
+    try:
+        return prune(root, keep, protect=protect)
+    except OSError as error:
+        log.warning("cannot remove old checkpoints from --checkpoint-dir %s: %s", root,
+                    error.strerror or error)
+        return []
 
 
 @dataclass(frozen=True)
@@ -200,15 +223,15 @@ class Checkpointer:
             # Neither the newest checkpoint taken nor the one restores come from now (an
             # older one, after a fall-back) may go, whatever --keep-checkpoints says.
             current = self.catalog.current()
-            prune(self.catalog.root, self._keep,
-                  protect=[*(m.id for m in (self.last, current) if m is not None),
-                           *self._state.restore_sources()])
+            _prune(self.catalog.root, self._keep,
+                   protect=[*(m.id for m in (self.last, current) if m is not None),
+                            *self._state.restore_sources()])
             raise
         self.last, self.last_taken_at_step = manifest, step
         self.catalog.adopt(manifest)
         # Restores decided before this checkpoint read from the one current then.
-        removed = prune(self.catalog.root, self._keep,
-                        protect=[manifest.id, *self._state.restore_sources()])
+        removed = _prune(self.catalog.root, self._keep,
+                         protect=[manifest.id, *self._state.restore_sources()])
         log.info("checkpoint %s complete (%s): step %d, %d shard(s), %.1f MiB in %.2f s%s",
                  manifest.id, reason, step, len(shards), manifest.bytes / 2**20,
                  time.monotonic() - started,

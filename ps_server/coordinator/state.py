@@ -281,10 +281,9 @@ class CoordinatorState:
         it is still the current checkpoint, the previous good one becomes current; the
         server's shards are then sent again (a new epoch) from whichever is current. Shards
         no checkpoint left can give are re-initialized or lost."""
+        if self._catalog is not None:  # outside the lock: it reads checkpoints whole
+            self._catalog.fall_back(checkpoint, message)
         with self._lock:
-            current = self._catalog.current() if self._catalog else None
-            if current is not None and str(current.directory) == str(checkpoint):
-                self._catalog.fall_back(message)
             keys = self._restore.get(server_id, {})
             gone = [s for s in self._map.shards_on(server_id)
                     if s.key in keys and not self._restorable(s)]
