@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 MAX_READ_ATTEMPTS = 8
 MAX_READ_BACKOFF_S = 0.002
 HANDSHAKE_TIMEOUT_S = 5.0
-# The largest answer a push socket gives (a PushSocketReply: a status at most).
-MAX_REPLY_BYTES = 1 << 20
+# The largest answer taken from a push socket: a PushSocketReply names the members of the
+# server's steps (up to its --max-streams, each an id of up to 1,024 characters), about 1 MiB
+# at 1,000 members; the bound is the server's own for a request (ps_server.push_socket).
+MAX_REPLY_BYTES = 64 << 20
 # How often a reader looks whether the server behind its connection still runs.
 OWNER_CHECK_S = 1.0
 # A process's (EMFILE) or the system's (ENFILE) open files are at their limit.
