@@ -816,10 +816,14 @@ class Worker:
                 self.lost_coordinator = error
                 self.request_stop()
                 return
-            except RemoteError:
+            except RemoteError as error:
                 if self._stop.is_set():  # cut short by request_stop() (CANCELLED)
                     return
-                raise
+                # One refused heartbeat (INTERNAL, RESOURCE_EXHAUSTED...) is no reason to send
+                # no more: the coordinator would declare this worker dead while it trains.
+                log.warning("heartbeat to the coordinator failed (%s: %s); trying again in "
+                            "%g s", error.code().name, error.details(), interval_s)
+                continue
             if action == "reregister":
                 # About the incarnation the heartbeat carried: one the worker has replaced
                 # while the call was in flight is no news about the live one.

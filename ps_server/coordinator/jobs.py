@@ -487,6 +487,10 @@ class JobRunner:
         worker = self._workers.get(worker_id)
         if worker is None or worker.incarnation != incarnation or worker.state is WorkerState.DEAD:
             return None
+        if worker.state is WorkerState.DONE and self.state is JobState.RUNNING:
+            # It left, or was told the job was over before a resumed job ran again: it has
+            # no heartbeat lease, so a task it took would be held for good. It registers anew.
+            return None
         return worker
 
     @property

@@ -143,10 +143,10 @@ def test_a_checkpoint_that_fails_on_a_full_disk_leaves_none_of_its_files(make_cl
 
         real = snapshots.write_json
 
-        def full_for_ps1(path: Path, doc):
+        def full_for_ps1(path: Path, doc, **kwargs):
             if path.name.startswith("ps-1."):
                 raise no_space(path)
-            return real(path, doc)
+            return real(path, doc, **kwargs)
 
         monkeypatch.setattr(snapshots, "write_json", full_for_ps1)
         with pytest.raises(CheckpointFailed) as failed:
