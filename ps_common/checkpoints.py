@@ -26,7 +26,6 @@ rows of a large variable reads only those rows. The tensor files are plain safet
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -577,7 +576,8 @@ def newest_good(root: Path) -> tuple[Manifest | None, list[tuple[str, str]]]:
 
 def prune(root: Path, keep: int, protect: str | Iterable[str] = ()) -> list[str]:
     """Delete all but the newest `keep` finished checkpoints, and unfinished ones older than
-    the newest finished one (a crash left them). `protect` (ids) is never deleted."""
+    the newest finished one (a crash left them). `protect` (ids) is never deleted. One that
+    cannot be removed (its manifest: EACCES, EROFS) is logged and the others still go."""
     protected = {protect} if isinstance(protect, str) else set(protect)
     ids = checkpoint_ids(root)
     finished = [c for c in ids if (root / c / MANIFEST).exists()]
@@ -589,8 +589,12 @@ def prune(root: Path, keep: int, protect: str | Iterable[str] = ()) -> list[str]
             continue
         # The manifest goes first: a half-removed checkpoint is an unfinished one, never a
         # corrupt finished one.
-        with contextlib.suppress(FileNotFoundError):
-            (root / cid / MANIFEST).unlink()
+        try:
+            (root / cid / MANIFEST).unlink(missing_ok=True)
+        except OSError as error:
+            log.warning("cannot remove old checkpoint %s: %s", root / cid,
+                        error.strerror or error)
+            continue
         shutil.rmtree(root / cid, ignore_errors=True)
         removed.append(cid)
     return removed

@@ -135,8 +135,10 @@ class Capture:
         self._memory = memory_bytes
         self._used = 0
         self._cond = threading.Condition()
-        # Why the checkpoint was given up while its writer was still at work, if it was.
+        # Why the checkpoint was given up while its writer was still at work, if it was;
+        # `_settled` once the writer has finished it (one or the other, never both).
         self.given_up: str | None = None
+        self._settled = False
         self._progress_at = time.monotonic()
 
     def progressed(self) -> None:
@@ -198,20 +200,36 @@ class Capture:
                 self._used -= copy.nbytes
             self._cond.notify_all()
 
-    def abandon(self, reason: str | None = None) -> None:
-        """Stop: nothing is waited for any more (the checkpoint failed). With `reason`, the
-        writer is still at work: it commits nothing once it gets on (`check`)."""
+    def abandon(self) -> None:
+        """Stop: nothing is waited for any more (the checkpoint is over)."""
         with self._cond:
-            if reason is not None and self.given_up is None:
-                self.given_up = reason
             self._pending.clear()
             self._copies.clear()
             self._cond.notify_all()
+
+    def give_up(self, reason: str) -> bool:
+        """The writer is stuck: stop (as `abandon`) and have it keep nothing of what it does
+        once it gets on (`check`, `settle`). False if it had finished already."""
+        with self._cond:
+            if self._settled:
+                return False
+            self.given_up = reason
+        self.abandon()
+        return True
 
     def check(self) -> None:
         """Raises CheckpointFailed if the checkpoint was given up."""
         if self.given_up is not None:
             raise CheckpointFailed(self.given_up)
+
+    def settle(self) -> None:
+        """The writer has written and committed everything: the checkpoint stands, unless it
+        was given up first (CheckpointFailed: the caller removes what it committed)."""
+        with self._cond:
+            if self.given_up is None:
+                self._settled = True
+                return
+        raise CheckpointFailed(self.given_up)
 
 
 @dataclass(frozen=True)
@@ -247,8 +265,9 @@ def save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int,
     if not store.saving.acquire(timeout=stall_timeout_s):
         raise CheckpointFailed(
             f"server {server_id}: an earlier checkpoint's write has not returned for "
-            f"{stall_timeout_s:g} s or more; it is stuck on the disk of --checkpoint-dir, and no "
-            "checkpoint can be written here until it returns")
+            f"{stall_timeout_s:g} s or more; it is stuck on the disk of --checkpoint-dir (or "
+            "still writing a part its coordinator gave up on), and no checkpoint can be "
+            "written here until it returns")
     started = threading.Event()
     captured: list[Capture] = []
     outcome: futures.Future = futures.Future()
@@ -263,7 +282,12 @@ def save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int,
             started.set()
             store.saving.release()
 
-    threading.Thread(target=write, name="ps-checkpoint-write", daemon=True).start()
+    try:
+        threading.Thread(target=write, name="ps-checkpoint-write", daemon=True).start()
+    except BaseException as error:  # no thread to be had for a moment (a pids limit)
+        store.saving.release()
+        raise CheckpointFailed(f"server {server_id}: cannot start a thread to write its "
+                               f"checkpoint ({error}); the next checkpoint tries again") from error
     # The cut waits for pushes in progress, which finish on their own: only the writing
     # after it is watched.
     started.wait()
@@ -273,14 +297,15 @@ def save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int,
         except futures.TimeoutError:
             capture = captured[0]
             idle = capture.idle_s()
-            if idle >= stall_timeout_s:
-                reason = (f"server {server_id}: its checkpoint write in {directory} made no "
-                          f"progress for {idle:.0f} s (--checkpoint-stall-timeout "
-                          f"{stall_timeout_s:g}): the disk of --checkpoint-dir does not "
-                          "answer; training goes on without this checkpoint")
-                log.error("%s", reason)
+            if idle < stall_timeout_s:
+                continue
+            reason = (f"server {server_id}: its checkpoint write in {directory} made no "
+                      f"progress for {idle:.0f} s (--checkpoint-stall-timeout "
+                      f"{stall_timeout_s:g}): the disk of --checkpoint-dir does not "
+                      "answer; training goes on without this checkpoint")
+            if capture.give_up(reason):  # (else it has just finished: its outcome follows)
                 store.end_capture(capture)
-                capture.abandon(reason)
+                log.error("%s", reason)
                 raise CheckpointFailed(reason) from None
 
 
@@ -307,11 +332,11 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
                     (tensor, str(array.dtype), array.shape) for tensor, array, _ in
                     _tensors_of(held, _arrays(held, copy), cuts.get(id(held)))]
     on_capture(capture)
+    ledger_path = directory / f"{server_id}.ledger.json"
+    tensors_name = f"{server_id}.safetensors"
     try:
-        ledger_file = write_json(directory / f"{server_id}.ledger.json", ledger_state,
-                                 on_progress=capture.progressed)
+        ledger_file = write_json(ledger_path, ledger_state, on_progress=capture.progressed)
         capture.check()
-        tensors_name = f"{server_id}.safetensors"
         tensors = [entry for held in shards for entry in layout[id(held)]]
         writer = TensorFileWriter(directory / tensors_name, tensors,
                                   {"format": "paramserve", "server_id": server_id,
@@ -324,10 +349,15 @@ def _save(store, ledger: PushLedger, directory: Path, server_id: str, epoch: int
                                           layout[id(held)], cuts.get(id(held))))
             capture.check()
             tensors_file = writer.commit()
-            capture.check()
         except BaseException:
             writer.abort()
             raise
+        capture.settle()
+    except BaseException:
+        if capture.given_up is not None:  # what it committed once the disk answered goes
+            for path in (ledger_path, directory / tensors_name):
+                path.unlink(missing_ok=True)
+        raise
     finally:
         store.end_capture(capture)
         capture.abandon()

@@ -55,7 +55,8 @@ class Assigner:
         self._server_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ps-assign")
-        self._background_sync_running = False
+        # Servers a background delivery is going to now (sync_in_background).
+        self._delivering: set[str] = set()
         self._closed = False
 
     def _stub(self, address: str) -> ps_grpc.ParameterServerStub:
@@ -147,24 +148,35 @@ class Assigner:
         return failures
 
     def sync_in_background(self) -> None:
-        """Resync whoever is behind, without blocking the caller (e.g. a heartbeat)."""
+        """Resync whoever is behind, without blocking the caller (e.g. a heartbeat). Each
+        server's delivery goes on its own: one that takes long (a server slow to answer, a
+        restore that falls back to an older checkpoint, read whole first) holds up no other
+        server's, and a server already being delivered to is not sent another meanwhile."""
+        epoch = self._state.shard_map.epoch
+        behind = [m for m in self._state.unsynced(self._state.shard_map)
+                  if m.synced_epoch < epoch]
         with self._lock:
-            if self._background_sync_running:
-                return
-            self._background_sync_running = True
-
-        def run():
+            targets = [m for m in behind if m.server_id not in self._delivering]
+            self._delivering.update(m.server_id for m in targets)
+        for member in targets:
             try:
-                for failure in self.sync():
-                    log.error("server %s could not create a shard: %s", failure.server_id,
-                              failure.message)
-            except NotReady as error:
-                log.warning("%s", error.message)
-            finally:
+                self._pool.submit(self._deliver_in_background, member.server_id,
+                                  member.address, epoch)
+            except RuntimeError:  # the pool is shut down: the coordinator is stopping
                 with self._lock:
-                    self._background_sync_running = False
+                    self._delivering.discard(member.server_id)
 
-        self._pool.submit(run)
+    def _deliver_in_background(self, server_id: str, address: str, epoch: int) -> None:
+        try:
+            for failure in self._send(server_id, address, epoch):
+                log.error("server %s could not create a shard: %s", failure.server_id,
+                          failure.message)
+        except RemoteError as error:
+            log.warning("could not deliver shard map epoch %d to server %s (%s: %s); retry",
+                        epoch, server_id, error.code().name, error.details())
+        finally:
+            with self._lock:
+                self._delivering.discard(server_id)
 
     def save_checkpoint(self, server_id: str, address: str, directory: Path,
                         epoch: int) -> SavedPart:
