@@ -456,8 +456,14 @@ class PSClient:
 
     def _unary(self, method, request, timeout: float, server_id: str):
         """A blocking unary data-path call, ended by interrupt() (which closes its channel)."""
+        return self._invoke(lambda: method(request, timeout=timeout), server_id)
+
+    def _invoke(self, start, server_id: str):
+        """`start()`: a data-path call made (unary) or begun (a stream) on a channel that
+        close() or interrupt() in another thread may have closed meanwhile (a retry after
+        its backoff, say): refused as a call after close(), or CANCELLED."""
         try:
-            return method(request, timeout=timeout)
+            return start()
         except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
             self._refuse_if_closed()  # close() in another thread closed it
             if not self._interrupted.is_set():
@@ -808,8 +814,8 @@ class PSClient:
                 assembler.write(self._unary(stub.PullUnary, request, self._deadline(nbytes),
                                             server_id).data)
             else:
-                with self._on_the_wire(stub.Pull(request,
-                                                 timeout=self._deadline(nbytes))) as call:
+                with self._on_the_wire(self._invoke(lambda: stub.Pull(
+                        request, timeout=self._deadline(nbytes)), server_id)) as call:
                     for chunk in call:
                         assembler.write(chunk.data)
             assembler.finish()
@@ -1547,10 +1553,15 @@ class PSClient:
         # A push to one server is all-or-nothing there, so its check for non-finite values
         # is left to that server instead of reading every gradient once more here, once the
         # server has said it honours the header's ask. A push over several servers is
-        # checked whole first: they do not commit together.
+        # checked whole first: they do not commit together. So is one in the steps of a map
+        # of several servers: its step goes to each of them (an empty push to the others),
+        # and a refused push must count as a step on none.
         servers = {shard.server_id for name in grads for shard in shard_map.shards_of(name)}
+        with self._lock:
+            in_steps = self._mode is not None
         one_server = len(servers) == 1 and \
-            shard_map.servers.get(next(iter(servers))) in self._servers_checking
+            shard_map.servers.get(next(iter(servers))) in self._servers_checking and \
+            not (in_steps and len(shard_map.servers) > 1)
         pieces = []
         for name, grad in grads.items():
             spec = specs[name]
@@ -1707,10 +1718,10 @@ class PSClient:
                                                     server_id)
                 return self._unary(stub.PushUnary, encode_chunk(first_header, data),
                                    self._deadline(nbytes), server_id)
-            call = stub.Push.future(
+            call = self._invoke(lambda: stub.Push.future(
                 (encode_chunk(first_header if i == 0 else None, piece) for i, piece in
                  enumerate(iter_chunks(sizes, readers, self._chunk_bytes))),
-                timeout=self._deadline(nbytes))
+                timeout=self._deadline(nbytes)), server_id)
             with self._on_the_wire(call):
                 return _result(call, server_id)
 
