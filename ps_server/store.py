@@ -673,16 +673,19 @@ class ShardStore:
         return settle
 
     def _budget_held(self) -> int:
-        """Bytes held (as `nbytes`), a capped dynamic table's shard counted at no less than
+        """Bytes held (as `nbytes`: a dynamic table's pool with its bookkeeping, which its
+        growths ask room for), a capped dynamic table's shard counted at no less than
         placement's charge for its whole share of the capacity."""
         total = 0
         for held in self.held():
-            # A pool's own arrays: a growth replaces them before the shard is synced to them.
-            values, slots = ((held.dynamic.values, held.dynamic.slots) if held.dynamic is not None
-                             else (held.values, held.state.slots))
-            size = values.nbytes + sum(s.nbytes for s in slots.values())
-            if held.dynamic is not None and held.dynamic.capacity:
-                size = max(size, footprint(held.spec, held.dynamic.capacity))
+            pool = held.dynamic
+            if pool is None:
+                size = held.values.nbytes + sum(s.nbytes for s in held.state.slots.values())
+            else:
+                # The pool's own arrays: a growth replaces them before the shard is synced.
+                size = pool.nbytes
+                if pool.capacity:
+                    size = max(size, footprint(held.spec, pool.capacity))
             total += size
         return total
 
