@@ -84,6 +84,9 @@ class Assigner:
                 return []
             delivery = self._state.delivery(server_id)
             shard_map, plan = delivery.shard_map, delivery.restore
+            # Where the registration the delivery is for listens, read with it: the caller's
+            # address may be an earlier process's, which must not be credited with it.
+            address = delivery.address or address
             request = ps_pb.AssignShardsRequest(
                 map=shardmap_to_proto(shard_map), generation=self._state.generation,
                 control_token=self._token)

@@ -114,6 +114,7 @@ class Delivery:
     restore: RestorePlan | None
     superseded: frozenset[tuple[str, int]]
     registration: int  # the server's (ServerMember.registration) when it was built
+    address: str = ""  # where that registration listens ("" if it is not a member)
 
 
 def describe_shard(shard: Shard) -> str:
@@ -216,7 +217,8 @@ class CoordinatorState:
             member = self._servers.get(server_id)
             return Delivery(self._map, self._restore_plan(server_id),
                             frozenset(self._superseded(server_id)),
-                            member.registration if member else 0)
+                            member.registration if member else 0,
+                            member.address if member else "")
 
     def _mark_for_restore(self, server_id: str, keys) -> None:
         """Expects the lock held, and every key restorable from the current checkpoint."""
@@ -609,6 +611,9 @@ class CoordinatorState:
                 if m.online_until > now:
                     if self._down_since.pop(sid, None) is not None:
                         events.append(ServerEvent("back", sid, m.address, holds))
+                        # Its shards moved while it was away, if it timed out: from now on
+                        # it is watched afresh, for what it holds now.
+                        self._timed_out.discard(sid)
                     continue
                 if sid not in self._down_since:
                     self._down_since[sid] = m.online_until
