@@ -440,9 +440,12 @@ def test_worker_gives_up_on_a_hung_coordinator_within_its_timeout(cluster):
     wait_for(c.observer, lambda s: bool(workers_of(s).get("w0", {}).get("leased_tasks")),
              "w0 to hold a task", watch=(*c.daemons, worker))
     c.coordinator.signal(signal.SIGSTOP)  # the fault: it hangs, connections stay open
-    code = worker.wait(timeout_s + 3.0)
+    # It gives up (rather than waiting for good) after its timeout: the worker's own log says
+    # how long it waited; how soon the process then exits depends on the machine's load.
+    code = worker.wait()
     assert code != 0
     assert c.address in worker.stderr(), worker.logs()
+    assert f"gave up after about {timeout_s:g} s" in worker.stderr(), worker.logs()
 
 
 # ---- e. ps-ctl ---------------------------------------------------------------------------
