@@ -89,7 +89,9 @@ def make_certs(out: str | os.PathLike, hosts=DEFAULT_HOSTS, *, days: int = 365) 
             cert = cert.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
         return cert.sign(ca_key, hashes.SHA256()), key
 
-    server, server_key = leaf(hosts[0], [ExtendedKeyUsageOID.SERVER_AUTH,
+    # Clients check the names in the subject alternative name; the common name, which may
+    # hold at most 64 characters, only labels the certificate.
+    server, server_key = leaf(hosts[0][:64], [ExtendedKeyUsageOID.SERVER_AUTH,
                                          ExtendedKeyUsageOID.CLIENT_AUTH], alt_names)
     client, client_key = leaf("paramserve client", [ExtendedKeyUsageOID.CLIENT_AUTH], [])
 

@@ -33,6 +33,8 @@ MODEL_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
                       "batch_size": 512},
 }
 
+# Epochs and tasks travel as int32 (coordinator.proto: JobStatus, TaskInfo).
+MAX_INT32 = 2**31 - 1
 # A variable's seed on the wire (VariableSpec.seed, an int64) is the job's seed plus the
 # variable's own offset (VariableDef/EmbeddingDef.seed; the built-in models' are below 100):
 # offsets are kept below 2**32, and the job's seed leaves room for the largest of them.
@@ -90,7 +92,8 @@ class JobSpec:
                                              or self.data.endswith(".npz")), "data",
              "must be 'digits', 'synthetic', 'synthetic:N', 'synthetic_ctr', 'synthetic_ctr:N' "
              "or a path to an .npz file")
-        need(_integer(self.epochs) and self.epochs >= 1, "epochs", "must be an integer >= 1")
+        need(_integer(self.epochs) and 1 <= self.epochs <= MAX_INT32, "epochs",
+             f"must be an integer from 1 to {MAX_INT32} (an int32 on the wire)")
         need(_integer(self.batch_size) and self.batch_size >= 1, "batch_size",
              "must be an integer >= 1")
         need(self.optimizer in OPTIMIZER_NAMES, "optimizer", f"must be one of {OPTIMIZER_NAMES}")
@@ -108,10 +111,11 @@ class JobSpec:
         need(_integer(self.seed) and 0 <= self.seed <= MAX_SEED, "seed",
              f"must be an integer from 0 to {MAX_SEED} (an int64 on the wire, with room for "
              f"each variable's seed offset)")
-        need(_integer(self.tasks_per_epoch) and self.tasks_per_epoch >= 1,
-             "tasks_per_epoch", "must be an integer >= 1")
-        need(_integer(self.evaluate_every) and self.evaluate_every >= 0, "evaluate_every",
-             "must be an integer >= 0 (0: never evaluate)")
+        need(_integer(self.tasks_per_epoch) and 1 <= self.tasks_per_epoch <= MAX_INT32,
+             "tasks_per_epoch", f"must be an integer from 1 to {MAX_INT32} (an int32 on the "
+             "wire)")
+        need(_integer(self.evaluate_every) and 0 <= self.evaluate_every <= MAX_INT32,
+             "evaluate_every", f"must be an integer from 0 to {MAX_INT32} (0: never evaluate)")
         need(isinstance(self.checkpoint_dir, str), "checkpoint_dir", "must be a path")
         need(isinstance(self.shared_memory, bool), "shared_memory", "must be true or false")
 

@@ -134,6 +134,8 @@ def parse(text: str) -> ClusterSpec:
         config = json.loads(text)
     except ValueError as error:
         raise TFConfigError(f"not valid JSON ({error})") from None
+    except RecursionError:
+        raise TFConfigError("not valid JSON (nested too deeply)") from None
     if not isinstance(config, dict):
         raise TFConfigError("must be a JSON object with 'cluster' and 'task'")
     cluster = config.get("cluster")

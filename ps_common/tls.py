@@ -48,9 +48,9 @@ class TLS:
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         if ca is None and cert is None and client_ca is None:
             return None
-        tls = cls(ca=_read_pem("--tls-ca", ca), cert=_read_pem("--tls-cert", cert),
-                  key=_read_pem("--tls-key", key), client_ca=_read_pem("--tls-client-ca",
-                                                                       client_ca))
+        tls = cls(ca=_read_certificates("--tls-ca", ca),
+                  cert=_read_certificates("--tls-cert", cert), key=_read_pem("--tls-key", key),
+                  client_ca=_read_certificates("--tls-client-ca", client_ca))
         if cert is not None:
             _check_pair(cert, key)
         return tls
@@ -100,6 +100,20 @@ def _read_pem(flag: str, path: str | os.PathLike | None) -> bytes | None:
     if _PEM_MARKER not in data:
         raise ValueError(f"{flag} {path}: holds no PEM block (-----BEGIN ...); give a "
                          "PEM file, e.g. one `ps-ctl make-certs` wrote")
+    return data
+
+
+def _read_certificates(flag: str, path: str | os.PathLike | None) -> bytes | None:
+    """`_read_pem` for a file that must hold certificates: a key given in its place (an easy
+    slip) is refused naming the flag, not found later by gRPC as a port that cannot bind."""
+    data = _read_pem(flag, path)
+    if data is None:
+        return None
+    try:
+        ssl.create_default_context(cadata=data.decode("ascii", "replace"))
+    except (ssl.SSLError, ValueError) as error:
+        raise ValueError(f"{flag} {path}: holds no certificate ({error}); give a PEM "
+                         "certificate file, e.g. one `ps-ctl make-certs` wrote") from None
     return data
 
 

@@ -38,6 +38,8 @@ SERVICE_NAME = "ps.v1.ParameterServer"
 # How often dynamic tables are swept for rows past their ttl (each table's own sweeps are
 # at most every quarter of its ttl).
 EXPIRY_INTERVAL_S = 1.0
+# --memory-budget goes to the coordinator as an int64 (RegisterServerRequest).
+MAX_INT64 = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,10 @@ class ServerConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {self.metrics_port} is not in 0..65535")
         check_chunk_bytes(self.chunk_bytes, what="--chunk-bytes")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 0:
-            raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be >= 0")
+        if self.memory_budget_bytes is not None and not (
+                0 <= self.memory_budget_bytes <= MAX_INT64):
+            raise ValueError(f"--memory-budget {self.memory_budget_bytes} must be from 0 to "
+                             f"{MAX_INT64} bytes (an int64 on the wire to the coordinator)")
         if not (math.isfinite(self.heartbeat_interval_s) and self.heartbeat_interval_s > 0):
             raise ValueError(f"--heartbeat-interval {self.heartbeat_interval_s} must be a "
                              "number of seconds > 0")
