@@ -313,7 +313,9 @@ def _load_npz(path: Path) -> Dataset:
         try:
             names = [name for name in ("x", "y", "x_test", "y_test") if name in archive.files]
             arrays = {name: archive[name] for name in names}
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        except Exception as exc:  # noqa: BLE001 - a damaged member raises zlib.error, numpy's
+            # header parser tokenize.TokenError, and more: any of them is a file that
+            # cannot be read, which the worker reports (a ValueError)
             raise ValueError(f"data set file {str(path)!r}: an array cannot be read: {exc}") from exc
     for required in ("x", "y"):
         if required not in arrays:

@@ -254,7 +254,8 @@ class Trainer:
     def _pull_rows_async(self, ps: PSClient, batch, slot: int) -> _RowPull:
         if not self.tables:
             return _NO_ROWS
-        ids = self.model.row_ids(batch)
+        with self._in_model():  # the model's code: counted toward --stall-timeout
+            ids = self.model.row_ids(batch)
         if set(ids) != set(self.tables):
             raise ValueError(f"row_ids() gave ids of {sorted(ids)}, the model's tables are "
                              f"{sorted(self.tables)}")
@@ -624,13 +625,14 @@ class Worker:
                 model = build_model(job.model, num_features=dataset.num_features,
                                     num_classes=dataset.num_classes, hidden=job.hidden,
                                     field_sizes=dataset.field_sizes)
+                trainer = Trainer(
+                    job, dataset, model, backend, push_window=self.config.max_in_flight_pushes,
+                    step_delay_s=self.config.step_delay_s, observer=self.observer)
             except ValueError as error:
                 failed = self._coordinator.report_job_error(self.worker_id, self._incarnation,
                                                             str(error))
                 raise JobCannotRun(str(error), job_failed=failed) from None
-            trainer = self._trainer = Trainer(
-                job, dataset, model, backend, push_window=self.config.max_in_flight_pushes,
-                step_delay_s=self.config.step_delay_s, observer=self.observer)
+            self._trainer = trainer
             log.info("worker %s (incarnation %d) runs %s on %s, %d training examples",
                      self.worker_id, self._incarnation, job.model, job.data, dataset.num_train)
             heartbeat = threading.Thread(

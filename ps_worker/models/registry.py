@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ps_worker.models.base import EmbeddingDef, Model
+from ps_worker.models.base import EmbeddingDef, Model, VariableDef
 from ps_worker.models.dense import MLP, LogisticRegression
 from ps_worker.models.embedding import EmbeddingMLP
 
@@ -142,16 +142,31 @@ def _accepted_kwargs(factory: Any, offered: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in offered.items() if name in accepted}
 
 
+def _called(reference: str, model: Any, method: str) -> list:
+    """`model.<method>()` as a list; what it raises is the model's fault (ValueError)."""
+    try:
+        return list(getattr(model, method)())
+    except Exception as error:  # noqa: BLE001 - any failure of user code is reported
+        raise ValueError(f"model {reference!r}: {method}() raised "
+                         f"{type(error).__name__}: {error}") from error
+
+
 def _check_model(reference: str, model: Any) -> None:
     if not _looks_like_model(model):
         raise ValueError(f"model {reference!r} has no callable variables() and loss_and_grads()")
-    variables = model.variables()
+    variables = _called(reference, model, "variables")
     names = [getattr(variable, "name", None) for variable in variables]
-    if not names or not all(isinstance(name, str) and name for name in names):
+    if not all(isinstance(variable, VariableDef) for variable in variables) or not all(
+            isinstance(name, str) and name for name in names):
         raise ValueError(
-            f"model {reference!r}: variables() must return named variables, got {variables!r}"
+            f"model {reference!r}: variables() must return named VariableDefs, got "
+            f"{variables!r}"
         )
-    tables = model.tables() if callable(getattr(model, "tables", None)) else []
+    tables = _called(reference, model, "tables") \
+        if callable(getattr(model, "tables", None)) else []
+    if not variables and not tables:
+        raise ValueError(f"model {reference!r}: variables() and tables() return nothing to "
+                         "train")
     if tables:
         if not all(isinstance(table, EmbeddingDef) for table in tables):
             raise ValueError(
