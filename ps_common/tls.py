@@ -18,6 +18,7 @@ daemon is; the token (or a client certificate) proves who the caller is.
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,15 +104,24 @@ def _read_pem(flag: str, path: str | os.PathLike | None) -> bytes | None:
     return data
 
 
+_CERTIFICATE_BLOCK = re.compile(
+    rb"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]*-----END CERTIFICATE-----")
+
+
 def _read_certificates(flag: str, path: str | os.PathLike | None) -> bytes | None:
     """`_read_pem` for a file that must hold certificates: a key given in its place (an easy
     slip) is refused naming the flag, not found later by gRPC as a port that cannot bind."""
     data = _read_pem(flag, path)
     if data is None:
         return None
+    # Only the certificate blocks are looked at: a CA bundle may carry comments in any
+    # encoding between them (certifi's names issuers in UTF-8), which gRPC skips too.
+    blocks = _CERTIFICATE_BLOCK.findall(data)
     try:
-        ssl.create_default_context(cadata=data.decode("ascii", "replace"))
-    except (ssl.SSLError, ValueError) as error:
+        if not blocks:
+            raise ValueError("no -----BEGIN CERTIFICATE----- block")
+        ssl.create_default_context(cadata=b"\n".join(blocks).decode("ascii"))
+    except (ssl.SSLError, ValueError, TypeError) as error:
         raise ValueError(f"{flag} {path}: holds no certificate ({error}); give a PEM "
                          "certificate file, e.g. one `ps-ctl make-certs` wrote") from None
     return data
