@@ -114,7 +114,8 @@ class Assigner:
                                          set() if unreadable else plan.keys - unrestored,
                                          delivery.registration)
                 if unreadable:
-                    self._state.restore_failed(server_id, plan.checkpoint, unreadable[0])
+                    self._state.restore_failed(server_id, plan.checkpoint, unreadable[0],
+                                               delivery.registration)
                 elif unrestored:  # e.g. out of memory for now: sent again with the next epoch
                     log.error("server %s could not restore %d shard(s) (%s); trying again",
                               server_id, len(unrestored), failures[0].message)

@@ -278,11 +278,17 @@ class CoordinatorState:
             if not pending:
                 self._restore.pop(server_id, None)
 
-    def restore_failed(self, server_id: str, checkpoint, message: str) -> None:
+    def restore_failed(self, server_id: str, checkpoint, message: str,
+                       registration: int | None = None) -> None:
         """`server_id` could not read `checkpoint` (a directory) and restored none of it. If
         it is still the current checkpoint, the previous good one becomes current; the
         server's shards are then sent again (a new epoch) from whichever is current. Shards
-        no checkpoint left can give are re-initialized or lost."""
+        no checkpoint left can give are re-initialized or lost. Ignored when the server has
+        registered again since `registration` (the process that could not read it is gone:
+        its successor, on another host, may read it well)."""
+        with self._lock:
+            if not self._same_registration(server_id, registration):
+                return
         if self._catalog is not None:  # outside the lock: it reads checkpoints whole
             self._catalog.fall_back(checkpoint, message)
         with self._lock:

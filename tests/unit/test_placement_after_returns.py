@@ -10,6 +10,7 @@ from ps_common.checkpoints import Manifest
 from ps_common.clock import FakeClock
 from ps_common.shardmap import Component, VariableSpec
 from ps_proto.v1 import parameter_server_pb2 as ps_pb
+from ps_proto.v1 import tensor_pb2
 from ps_server.coordinator.assigner import Assigner
 from ps_server.coordinator.state import CoordinatorState, ServerReport
 
@@ -165,6 +166,73 @@ def test_a_delivery_queued_before_a_server_registered_again_is_not_sent_to_its_o
             f"{state.delivery('s0').restore} for s0 and counts it synced at "
             f"{[m.synced_epoch for m in state.servers() if m.server_id == 's0']} "
             f"(map epoch {state.shard_map.epoch})")
+    finally:
+        servers["h:old"].release.set()
+        assigner.close()
+
+
+class FallBackCounter(OneCheckpoint):
+    """OneCheckpoint that counts the fall-backs the coordinator asks of it."""
+
+    def __init__(self, state: CoordinatorState):
+        super().__init__(state)
+        self.fall_backs = []
+
+    def fall_back(self, failed_directory, reason: str):
+        self.fall_backs.append(reason)
+        return self._manifest
+
+
+class UnreadableAtOldAddress(FakeServer):
+    """Answers every restore it is sent: the checkpoint cannot be read here."""
+
+    def AssignShards(self, request, timeout=None):
+        reply = super().AssignShards(request, timeout)
+        reply.failed.extend(ps_pb.ShardFailure(shard=ref_shard, message="stale mount",
+                                               checkpoint_unreadable=True)
+                            for ref_shard in _shards_of(request.restore))
+        return reply
+
+
+def _shards_of(restore):
+    return [tensor_pb2.Shard(variable=ref.variable, index=ref.index) for ref in restore.shards]
+
+
+def test_an_old_processs_unreadable_checkpoint_does_not_make_the_coordinator_fall_back(
+        monkeypatch):
+    """A restore sent to a server's old process (a stale mount on its old host) comes back
+    "checkpoint unreadable" after the server registered again elsewhere: that answer says
+    nothing of the checkpoint its new process will read, and the coordinator does not fall
+    back to an older one (the updates since would be lost)."""
+    clock = FakeClock()
+    state = CoordinatorState(clock, heartbeat_timeout_s=TIMEOUT, split_threshold_bytes=1 << 20,
+                             server_timeout_s=SERVER_TIMEOUT)
+    state.register_server("s0", "h:old", 0)
+    placed = state.declare([var("x", 10)])
+    state.mark_synced("s0", placed.epoch)
+    catalog = FallBackCounter(state)
+    state.use_checkpoints(catalog)
+    state.register_server("s0", "h:old", 0, ServerReport())  # back empty: x to restore
+
+    servers = {"h:old": UnreadableAtOldAddress(), "h:new": FakeServer()}
+    assigner = Assigner(state, b"token")
+    monkeypatch.setattr(assigner, "_stub", lambda address: servers[address])
+    try:
+        servers["h:old"].hold = True
+        answered = []
+        delivery = threading.Thread(target=lambda: answered.append(assigner.sync()))
+        delivery.start()
+        assert servers["h:old"].entered.wait(30)
+        state.register_server("s0", "h:new", 0, ServerReport())  # again, on another host
+        servers["h:old"].release.set()  # the old process answers: unreadable
+        delivery.join(30)
+        assert not delivery.is_alive() and answered == [[]], answered  # it was answered
+        assert servers["h:old"].requests[0].restore.shards  # a restore, answered unreadable
+        assert catalog.fall_backs == [], catalog.fall_backs
+        assigner.sync()
+        restored_at_new = [tuple((r.variable, r.index) for r in req.restore.shards)
+                           for req in servers["h:new"].requests if req.HasField("restore")]
+        assert restored_at_new == [(("x", 0),)], restored_at_new
     finally:
         servers["h:old"].release.set()
         assigner.close()
