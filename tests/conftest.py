@@ -124,3 +124,39 @@ def spawn():
     for call in calls:
         call.thread.join(CALL_WAIT_S)
     assert not [c for c in calls if c.thread.is_alive()], "a call in a thread never finished"
+
+
+@pytest.fixture
+def unstartable_threads(monkeypatch):
+    """`unstartable_threads(module, name, once=False)`: in `module` (which does `import
+    threading`), a thread named `name` cannot be started, as where a pids limit is reached
+    for a moment (RuntimeError "can't start new thread"); with `once`, only the first.
+    Returns an Event set at the first refused start."""
+
+    def refuse(module, name: str, *, once: bool = False) -> threading.Event:
+        refused = threading.Event()
+        real_thread = threading.Thread
+
+        def thread(*args, **kwargs):
+            made = real_thread(*args, **kwargs)
+            if kwargs.get("name") == name and not (once and refused.is_set()):
+                def start():
+                    refused.set()
+                    raise RuntimeError("can't start new thread")
+                made.start = start
+            return made
+
+        monkeypatch.setattr(module, "threading", _ThreadingWith(thread))
+        return refused
+
+    return refuse
+
+
+class _ThreadingWith:
+    """The threading module, but for its Thread."""
+
+    def __init__(self, thread):
+        self.Thread = thread
+
+    def __getattr__(self, name):
+        return getattr(threading, name)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import pathlib
 import threading
-import types
 
 import numpy as np
 
@@ -25,27 +24,17 @@ WAIT_S = 20.0  # bound of every wait; never reached when the code is right
 
 
 def test_a_checkpoint_whose_server_writer_thread_cannot_start_does_not_block_later_ones(
-        make_cluster, tmp_path, monkeypatch):
+        make_cluster, tmp_path, monkeypatch, unstartable_threads):
     """Only a write stuck on the disk makes a server's later checkpoints fail, and only until
     it returns. A writer thread that could not be started (a pids limit for a moment) left
     the store's saving lock held for good: that checkpoint answered INTERNAL, and every later
     one on the server failed as if its disk were stuck."""
     cluster = make_cluster(servers=1, checkpoint_dir=tmp_path, checkpoint_stall_timeout_s=WAIT_S)
     store = cluster.servers[0].store
-    real_thread = threading.Thread
-
-    def no_writer_thread(*args, **kwargs):
-        thread = real_thread(*args, **kwargs)
-        if kwargs.get("name") == "ps-checkpoint-write":
-            def start():
-                raise RuntimeError("can't start new thread")
-            thread.start = start
-        return thread
 
     with PSClient(cluster.coordinator_address, retry=PATIENT) as ps:
         ps.declare("w", shape=(4,), init="zeros", optimizer=SGD1)
-        monkeypatch.setattr(snapshots, "threading", types.SimpleNamespace(
-            **{**vars(threading), "Thread": no_writer_thread}))
+        unstartable_threads(snapshots, "ps-checkpoint-write")
         try:
             cluster.checkpoint()  # refused, or written some other way
         except CheckpointFailed:

@@ -5,7 +5,6 @@ durable."""
 from __future__ import annotations
 
 import threading
-import types
 
 from ps_common import checkpoints
 from ps_common.errors import CheckpointFailed
@@ -28,23 +27,12 @@ def store_with(*names: str) -> ShardStore:
 
 
 def test_a_checkpoint_whose_writer_thread_cannot_start_leaves_the_server_able_to_checkpoint(
-        monkeypatch, tmp_path):
+        monkeypatch, tmp_path, unstartable_threads):
     """Only a writer stuck on the disk holds later checkpoints back. When the writer thread
     could not be started (a pids limit for a moment), the store's saving lock, which only the
     thread releases, stayed held: every later checkpoint on the server failed."""
     store = store_with("a")
-    real_thread = threading.Thread
-
-    def no_writer_thread(*args, **kwargs):
-        thread = real_thread(*args, **kwargs)
-        if kwargs.get("name") == "ps-checkpoint-write":
-            def start():
-                raise RuntimeError("can't start new thread")
-            thread.start = start
-        return thread
-
-    monkeypatch.setattr(snapshots, "threading", types.SimpleNamespace(
-        **{**vars(threading), "Thread": no_writer_thread}))
+    unstartable_threads(snapshots, "ps-checkpoint-write")
     (tmp_path / "first").mkdir()
     try:  # refused, or written some other way
         snapshots.save(store, PushLedger(), tmp_path / "first", "s", 1,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import types
 from pathlib import Path
 
 import pytest
@@ -77,26 +76,13 @@ def test_close_ends_a_socket_whose_peer_reads_none_of_its_answers(tmp_path, monk
 
 
 def test_a_serving_thread_that_cannot_be_started_does_not_end_the_acceptor(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, unstartable_threads):
     """A client that cannot be served is told so (`refused`) and pushes over gRPC. Where no
     thread could be started for a moment (RuntimeError "can't start new thread": a pids
     cgroup or `ulimit -u` at its limit), the error ended the acceptor for good: the accepted
     socket was never answered, and every later push through the socket waited out the
     client's timeout, although the server was well."""
-    failed = threading.Event()
-    real_thread = threading.Thread
-
-    def flaky_thread(*args, **kwargs):
-        thread = real_thread(*args, **kwargs)
-        if kwargs.get("name") == "push-socket" and not failed.is_set():
-            def start():
-                failed.set()
-                raise RuntimeError("can't start new thread")
-            thread.start = start
-        return thread
-
-    monkeypatch.setattr(push_socket, "threading",
-                        types.SimpleNamespace(Thread=flaky_thread, Lock=threading.Lock))
+    failed = unstartable_threads(push_socket, "push-socket", once=True)
     path = tmp_path / "push.socket"
     served = push_socket.PushSocket(
         str(path), lambda request: ps_pb.PushSharedReply(connection_lost=True))
